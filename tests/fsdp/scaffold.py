@@ -1,0 +1,116 @@
+"""A single-process reference and the same training under our engine, for parity tests."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.config import ShardingConfig
+from trainer.fsdp import FSDPModel, build_mesh
+from trainer.config import ShardingStrategy
+from trainer.model import build_model, init_parameters, loss_sum, model_config
+
+SEED = 1234
+SEQ = 16
+# 3 blocks; 13,699 params per block and root sizes chosen so no unit divides evenly by 3.
+MODEL = dict(dim=36, n_layers=3, n_heads=3, ffn_dim=100, vocab_size=259)
+LR, WD, CLIP = 3e-3, 0.1, 0.5
+
+
+def tiny():
+    return model_config("tiny", **MODEL)
+
+
+def batch(step: int, global_batch: int):
+    g = torch.Generator().manual_seed(SEED + step)
+    toks = torch.randint(0, 256, (global_batch, SEQ + 1), generator=g)
+    return toks[:, :-1], toks[:, 1:]
+
+
+def optimizer(groups):
+    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+def reference(steps: int, global_batch: int, dtype=torch.float32):
+    """Single process, whole batch, plain model: per-step (loss, grad norm) and step-0 grads."""
+    model = build_model(tiny(), device="cpu", seed=SEED)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = optimizer([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}])
+    losses, norms, grads0 = [], [], None
+    for step in range(steps):
+        x, y = batch(step, global_batch)
+        s, n = loss_sum(model(x), y)
+        (s / (global_batch * SEQ)).backward()
+        if step == 0:
+            grads0 = {k: p.grad.clone() for k, p in model.named_parameters()}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(s.detach()) / (global_batch * SEQ))
+    return dict(losses=losses, norms=norms, grads0=grads0,
+                params={k: p.detach().clone() for k, p in model.named_parameters()})
+
+
+def wrap(rank: int, world: int, **sharding) -> FSDPModel:
+    cfg = ShardingConfig(**sharding)
+    mesh = build_mesh(ShardingStrategy.parse(cfg.strategy), rank, world, cfg.hybrid_shard_group_size, world)
+    model = build_model(tiny(), device="meta")
+    return FSDPModel(model, cfg, mesh, torch.device("cpu"), init_fn=lambda m, p: init_parameters(m, SEED, p))
+
+
+def engine_run(rank: int, world: int, steps: int, global_batch: int, sharding: dict,
+               micro_batches: int = 1, keep_trace: bool = False):
+    """Our engine on this rank: same data split by rank_range, losses all-reduced."""
+    fsdp = wrap(rank, world, **sharding)
+    opt = optimizer(fsdp.param_groups(WD))
+    lo = rank * global_batch // world
+    hi = (rank + 1) * global_batch // world
+    losses, norms, grads0, acct = [], [], None, []
+    for step in range(steps):
+        fsdp.acct.reset_step()
+        x, y = batch(step, global_batch)
+        x, y = x[lo:hi], y[lo:hi]
+        parts = np.array_split(np.arange(hi - lo), micro_batches)
+        total = torch.zeros(())
+        for k, idx in enumerate(parts):
+            weight = 1.0
+            if len(idx) == 0:  # this rank has fewer rows than micro-batches: run a zero-weight one
+                idx, weight = np.array([0]), 0.0
+            ctx = fsdp.no_sync() if k < micro_batches - 1 else _null()
+            with ctx:
+                s, _ = loss_sum(fsdp(x[idx]), y[idx], weight)
+                (s / (global_batch * SEQ)).backward()
+            total += s.detach()
+        if step == 0:
+            grads0 = fsdp.full_gradients()
+        norms.append(float(fsdp.clip_grad_norm_(CLIP)))
+        opt.step()
+        fsdp.zero_grad()
+        fsdp.update_optim_accounting(opt)
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / (global_batch * SEQ))
+        acct.append(dict(comm=dict(fsdp.acct.comm_bytes), peak=dict(fsdp.acct.peak),
+                         persistent=fsdp.acct.persistent_bytes()))
+    out = dict(losses=losses, norms=norms, grads0=grads0, params=fsdp.full_parameters(), acct=acct,
+               largest_unit=fsdp.largest_unit_bytes(), num_params=fsdp.num_params(),
+               flats=[(f.padded_numel, f.shard_numel, f.valid_numel) for f in fsdp.flats()])
+    if keep_trace:
+        out["events"] = [(e.kind, e.op, e.unit) for e in fsdp.acct.events]
+        out["order"] = [u.name for u in fsdp._order]
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)

@@ -1,0 +1,11 @@
+"""Our fully sharded data parallel engine. Imports torch only (no torch.distributed.fsdp)."""
+from trainer.config import ShardingStrategy
+
+from .accounting import Accounting
+from .engine import FSDPModel, block_policy
+from .flat_param import FlatParameter
+from .mesh import ShardMesh, build_mesh
+from .unit import FSDPUnit, TrainingState
+
+__all__ = ["Accounting", "FSDPModel", "FSDPUnit", "FlatParameter", "ShardMesh", "ShardingStrategy",
+           "TrainingState", "block_policy", "build_mesh"]

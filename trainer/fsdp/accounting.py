@@ -1,0 +1,87 @@
+"""Always-on, cheap accounting: bytes each collective kind moves, live engine bytes by kind, and an
+optional event trace of collective issue/wait and unit compute start/end.
+
+Network bytes are what one rank sends (= receives) under ring algorithms, the convention of the
+ZeRO paper: all-gather of an output of T bytes over N ranks moves T*(N-1)/N, reduce-scatter of an
+input of T bytes moves T*(N-1)/N, all-reduce of T bytes moves 2*T*(N-1)/N.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+MEMORY_KINDS = ("sharded_params", "sharded_grads", "optim_state", "gathered_params", "unsharded_grads")
+
+
+@dataclass
+class Event:
+    kind: str  # "issue", "wait", "compute_start", "compute_end"
+    op: str  # "all_gather", "reduce_scatter", "all_reduce", "forward", "backward"
+    unit: str
+    t: float
+
+
+@dataclass
+class Accounting:
+    trace_enabled: bool = False
+    comm_bytes: dict = field(default_factory=lambda: defaultdict(int))
+    comm_calls: dict = field(default_factory=lambda: defaultdict(int))
+    live: dict = field(default_factory=lambda: defaultdict(int))
+    peak: dict = field(default_factory=lambda: defaultdict(int))
+    events: list = field(default_factory=list)
+
+    # ---- communication -------------------------------------------------------------------
+    def record_comm(self, op: str, payload_bytes: int, group_size: int) -> None:
+        if group_size <= 1:
+            return
+        factor = 2 if op == "all_reduce" else 1
+        self.comm_bytes[op] += factor * payload_bytes * (group_size - 1) // group_size
+        self.comm_calls[op] += 1
+
+    def reset_step(self) -> None:
+        """Start a new step: zero per-step comm counters and peaks (peaks restart from live)."""
+        self.comm_bytes.clear()
+        self.comm_calls.clear()
+        self.peak = defaultdict(int, self.live)
+        self.peak["total"] = self.total_live()
+
+    # ---- memory --------------------------------------------------------------------------
+    def alloc(self, kind: str, nbytes: int) -> None:
+        self.live[kind] += nbytes
+        self.peak[kind] = max(self.peak[kind], self.live[kind])
+        self.peak["total"] = max(self.peak["total"], self.total_live())
+
+    def free(self, kind: str, nbytes: int) -> None:
+        self.live[kind] -= nbytes
+        assert self.live[kind] >= 0, f"accounting underflow for {kind}"
+
+    def set(self, kind: str, nbytes: int) -> None:
+        """For state whose size is read rather than tracked (optimizer state)."""
+        self.live[kind] = nbytes
+        self.peak[kind] = max(self.peak[kind], nbytes)
+        self.peak["total"] = max(self.peak["total"], self.total_live())
+
+    def total_live(self) -> int:
+        return sum(self.live[k] for k in MEMORY_KINDS)
+
+    def persistent_bytes(self) -> int:
+        """Per-rank state that lives across steps: params, grads and optimizer state shards."""
+        return self.live["sharded_params"] + self.live["sharded_grads"] + self.live["optim_state"]
+
+    # ---- trace ---------------------------------------------------------------------------
+    def event(self, kind: str, op: str, unit: str) -> None:
+        if self.trace_enabled:
+            self.events.append(Event(kind, op, unit, time.perf_counter()))
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for op in ("all_gather", "reduce_scatter", "all_reduce"):
+            out[f"comm/{op}_bytes"] = float(self.comm_bytes.get(op, 0))
+        out["comm/total_bytes"] = float(sum(self.comm_bytes.values()))
+        for k in MEMORY_KINDS:
+            out[f"mem/{k}_bytes"] = float(self.live.get(k, 0))
+            out[f"mem/peak_{k}_bytes"] = float(self.peak.get(k, 0))
+        out["mem/peak_total_bytes"] = float(self.peak.get("total", 0))
+        return out

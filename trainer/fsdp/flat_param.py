@@ -1,0 +1,100 @@
+"""Flattening: many original parameters <-> one padded 1-D FlatParameter and its local shard.
+
+Layout of one FlatParameter (flat element coordinates):
+
+    [ decay params ... | no-decay params ... | padding ]   padded_numel = k * shard_size
+      0            decay_end             numel      padded_numel
+
+Rank r of the shard group owns [r * shard_numel, (r + 1) * shard_numel). Because decay and no-decay
+parameters are contiguous regions, a rank's shard meets each region in at most one interval, so the
+optimizer sees at most two tensors per FlatParameter (views into the one shard), with and without
+weight decay. Padding lies past the last parameter and always holds zeros (values and gradients).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    fqn: str  # fully-qualified name in the wrapped model
+    module_name: str  # fqn of the owning module
+    attr: str  # attribute name on that module
+    shape: torch.Size
+    offset: int  # element offset in the flat parameter
+    decay: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class FlatParameter:
+    """The metadata and the local fp32 shard of one flattened group of parameters.
+
+    Invariant: `shard` is this rank's fp32 master slice; it is the only persistent copy of the
+    parameters on this rank (everything gathered is a temporary in the compute dtype).
+    """
+
+    def __init__(self, infos: list[ParamInfo], shard_size: int, shard_rank: int, requires_grad: bool,
+                 device: torch.device):
+        self.infos = infos
+        self.requires_grad = requires_grad
+        self.numel = sum(i.numel for i in infos)
+        self.decay_end = sum(i.numel for i in infos if i.decay)
+        self.shard_size, self.shard_rank = shard_size, shard_rank
+        self.padded_numel = math.ceil(self.numel / shard_size) * shard_size if self.numel else shard_size
+        self.shard_numel = self.padded_numel // shard_size
+        self.lo = shard_rank * self.shard_numel
+        self.hi = self.lo + self.shard_numel
+        self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.grad: torch.Tensor | None = None  # fp32 gradient shard, allocated on first reduce
+        self.opt_params = self._optimizer_views() if requires_grad else []
+
+    # ---- ranges ------------------------------------------------------------------------
+    def local_pieces(self):
+        """For each original parameter meeting this shard: (info, start in param, count, offset in shard)."""
+        for info in self.infos:
+            a, b = max(info.offset, self.lo), min(info.offset + info.numel, self.hi)
+            if a < b:
+                yield info, a - info.offset, b - a, a - self.lo
+
+    @property
+    def valid_numel(self) -> int:
+        """Elements of the local shard that are real parameters (not padding)."""
+        return max(0, min(self.numel, self.hi) - self.lo)
+
+    def _optimizer_views(self) -> list[tuple[torch.nn.Parameter, bool, int]]:
+        """(parameter view into the shard, has weight decay, offset in shard) for each region met."""
+        views = []
+        for a, b, decay in ((0, self.decay_end, True), (self.decay_end, self.numel, False)):
+            a, b = max(a, self.lo), min(b, self.hi)
+            if a < b:
+                p = torch.nn.Parameter(self.shard[a - self.lo:b - self.lo], requires_grad=True)
+                views.append((p, decay, a - self.lo))
+        return views
+
+    def attach_grad_views(self) -> None:
+        """Point each optimizer view's .grad at its slice of the fp32 gradient shard."""
+        for p, _, off in self.opt_params:
+            p.grad = None if self.grad is None else self.grad[off:off + p.numel()]
+
+    # ---- flattening --------------------------------------------------------------------
+    def fill_shard_from_full(self, full: torch.Tensor) -> None:
+        """Copy this rank's slice out of a full unpadded flat tensor (at wrap time)."""
+        n = self.valid_numel
+        if n:
+            self.shard[:n].copy_(full[self.lo:self.lo + n])
+
+    def split_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of an unsharded flat tensor shaped as the original parameters (one autograd node)."""
+        sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
+        pieces = torch.split(flat, sizes)
+        return [p.view(i.shape) for p, i in zip(pieces, self.infos)]
+
+
+def flatten_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)

@@ -1,0 +1,160 @@
+"""One FSDP unit: a module whose parameters live in FlatParameters, with unshard / reshard and the
+gradient hook that launches the reduction the moment the unit's gradients are complete.
+
+Storage invariants (checked by the accounting tests):
+- Between steps a unit holds only fp32 shards (`flat.shard`) and fp32 gradient shards.
+- While gathered, `_buf[i]` holds the padded unsharded parameters in the compute dtype and the
+  module attributes are views into it. Reshard frees `_buf`'s storage (resize to 0) and keeps the
+  tensor object, so views saved by autograd see the data again once it is re-gathered.
+- `_full[i]` shares `_buf[i]`'s storage but has its own version counter (set through `.data`):
+  writing a new gather into `_buf` does not invalidate tensors autograd saved in forward.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Optional
+
+import torch
+
+from .accounting import Accounting
+from .collectives import Collectives, Handle
+from .flat_param import FlatParameter
+from .mesh import ShardMesh
+
+
+class TrainingState(enum.Enum):
+    IDLE = "IDLE"
+    FORWARD = "FORWARD"
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+class FSDPUnit:
+    def __init__(self, name: str, module: torch.nn.Module, flats: list[FlatParameter],
+                 owners: dict[str, torch.nn.Module], mesh: ShardMesh, comm: Collectives, acct: Accounting,
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: bool):
+        self.name, self.module, self.flats, self.owners = name, module, flats, owners
+        self.mesh, self.comm, self.acct = mesh, comm, acct
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.state = TrainingState.IDLE
+        # No communication and no copy when the shard IS the full parameter in the compute dtype.
+        self.alias = mesh.shard_size == 1 and param_dtype == torch.float32
+        self.gathered = False
+        self._gather: list[Handle] = []
+        self._buf: list[torch.Tensor] = []
+        self._full: list[torch.Tensor] = []
+        for flat in flats:
+            if self.alias:
+                buf = flat.shard
+            else:
+                buf = torch.empty(flat.padded_numel, dtype=param_dtype, device=flat.shard.device)
+                _free_storage(buf)
+            full = torch.empty(0, dtype=buf.dtype, device=buf.device)
+            full.data = buf  # shares storage, own version counter (see module docstring)
+            full.requires_grad_(flat.requires_grad)
+            self._buf.append(buf)
+            self._full.append(full)
+        self.no_sync = False
+        self.on_grad_ready: Optional[Callable[["FSDPUnit", int, torch.Tensor], None]] = None
+        self._grad_accum: list[Optional[torch.Tensor]] = [None] * len(flats)
+        self._grads_seen: set[int] = set()
+        self.pre_backward_done = False
+        for i, full in enumerate(self._full):
+            if full.requires_grad:
+                full.register_post_accumulate_grad_hook(lambda t, i=i: self._post_accumulate(i))
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(f.padded_numel for f in self.flats) * torch.empty(0, dtype=self.param_dtype).element_size()
+
+    # ---- unshard / reshard ------------------------------------------------------------
+    def issue_gather(self) -> None:
+        """Allocate the unsharded buffers and start the all-gathers (no wait)."""
+        if self.gathered or self._gather:
+            return
+        if self.alias:
+            self.gathered = True
+            return
+        self.acct.alloc("gathered_params", self.gathered_bytes)
+        for flat, buf in zip(self.flats, self._buf):
+            _alloc_storage(buf)
+            # Cast before the gather: a bf16 gather moves half the bytes of an fp32 one.
+            src = flat.shard if flat.shard.dtype == self.param_dtype else flat.shard.to(self.param_dtype)
+            if self.mesh.shard_size == 1:
+                buf.copy_(src)
+                self.gathered = True
+            else:
+                self._gather.append(self.comm.all_gather(buf, src, self.mesh.shard_group,
+                                                         self.mesh.shard_size, self.name))
+
+    def wait_gather(self) -> None:
+        self.issue_gather()
+        for h in self._gather:
+            h.wait()
+        self._gather = []
+        self.gathered = True
+
+    def use_views(self) -> None:
+        """Point the modules' parameter attributes at views of the unsharded flat tensors.
+
+        Called under the forward's grad mode: the views hang off one autograd node per flat, so
+        the flat's gradient accumulates (and its hook fires) once all of the unit's grads are in."""
+        for flat, full in zip(self.flats, self._full):
+            for info, view in zip(flat.infos, flat.split_views(full)):
+                setattr(self.owners[info.module_name], info.attr, view)
+
+    def reshard(self) -> None:
+        """Free the unsharded buffers. After this only the fp32 shards remain."""
+        assert not self._gather, f"{self.name}: reshard while a gather is in flight"
+        if not self.gathered or self.alias:
+            return
+        for buf in self._buf:
+            _free_storage(buf)
+        self.acct.free("gathered_params", self.gathered_bytes)
+        self.gathered = False
+
+    def gather_in_flight(self) -> bool:
+        return bool(self._gather)
+
+    def is_resident(self) -> bool:
+        """True when the unit holds unsharded memory that reshard would free."""
+        return (self.gathered or bool(self._gather)) and not self.alias
+
+    # ---- gradients ----------------------------------------------------------------------
+    def _post_accumulate(self, i: int) -> None:
+        """All of flat i's gradients are in `_full[i].grad`: accumulate (no_sync) or reduce now."""
+        assert self.state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST), (
+            f"{self.name}: gradient hook fired in state {self.state}")
+        self.state = TrainingState.BACKWARD_POST
+        full = self._full[i]
+        g = full.grad
+        full.grad = None
+        if self._grad_accum[i] is not None:
+            g = self._grad_accum[i].add_(g)
+            self._grad_accum[i] = None
+        if self.no_sync:
+            # Keep the unsharded gradient, in reduce_dtype, until the micro-batch that syncs.
+            self._grad_accum[i] = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
+        else:
+            self.acct.alloc("unsharded_grads", g.numel() * g.element_size())
+            self.on_grad_ready(self, i, g)
+        self._grads_seen.add(i)
+        if len(self._grads_seen) == sum(f.requires_grad for f in self.flats):
+            self.acct.event("compute_end", "backward", self.name)
+            if self.reshard_after_forward:
+                self.reshard()
+
+    def reset_iteration(self) -> None:
+        self._grads_seen.clear()
+        self.pre_backward_done = False
+        self.state = TrainingState.IDLE
