@@ -274,6 +274,10 @@ class TrackingConfig:
     enabled: bool = True
     """Log to MLflow at all."""
 
+    def validate(self) -> None:
+        if not self.experiment:
+            _fail("tracking.experiment", self.experiment, "a non-empty experiment name")
+
 
 @dataclass
 class JobConfig:
