@@ -114,3 +114,47 @@ class _null:
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def fsdp2_run(rank: int, world: int, steps: int, global_batch: int, param_dtype: str):
+    """torch FSDP2 as the peer reference (tests only): same model, data split and optimizer."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = getattr(torch, param_dtype)
+    model = build_model(tiny(), device="cpu", seed=SEED)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = optimizer([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}])
+    lo, hi = rank * global_batch // world, (rank + 1) * global_batch // world
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, global_batch)
+        s, _ = loss_sum(model(x[lo:hi]), y[lo:hi])
+        # FSDP2 averages gradients over ranks; our loss is a sum over the global batch, so undo it.
+        (s * world / (global_batch * SEQ)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        total = s.detach().float()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / (global_batch * SEQ))
+    return losses
+
+
+def matrix_run(rank: int, world: int, configs: list[dict], steps: int, global_batch: int):
+    """Many engine configurations in one process group (spawning costs seconds; steps are ms)."""
+    out = []
+    for c in configs:
+        c = dict(c)
+        micro = c.pop("micro_batches", 1)
+        if c.pop("fsdp2", False):
+            out.append(fsdp2_run(rank, world, steps, global_batch, c["param_dtype"]))
+        else:
+            r = engine_run(rank, world, steps, global_batch, c, micro_batches=micro)
+            out.append(r if rank == 0 else None)
+    return out

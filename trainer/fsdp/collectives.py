@@ -15,6 +15,11 @@ import torch.distributed as dist
 from .accounting import Accounting
 
 
+# torch 2.13 renamed the tensor collectives; keep working on older releases.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class Handle:
     """One issued collective. wait() makes its result usable on the current stream."""
 
@@ -57,11 +62,11 @@ class Collectives:
         return Handle(self.acct, op, unit, event=event, keep=keep)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, size: int, unit: str) -> Handle:
-        fn = lambda a: dist.all_gather_into_tensor(out, inp, group=group, async_op=a)
+        fn = lambda a: _all_gather(out, inp, group=group, async_op=a)
         return self._issue("all_gather", unit, fn, out.numel() * out.element_size(), size, (inp,))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, size: int, unit: str) -> Handle:
-        fn = lambda a: dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a)
+        fn = lambda a: _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a)
         return self._issue("reduce_scatter", unit, fn, inp.numel() * inp.element_size(), size, (inp,))
 
     def all_reduce(self, t: torch.Tensor, group, size: int, unit: str,

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.config import ShardingConfig, ShardingStrategy
 
 from .accounting import Accounting
-from .collectives import Collectives, Handle
+from .collectives import Collectives, Handle, _all_gather
 from .flat_param import FlatParameter, ParamInfo, flatten_tensors
 from .mesh import ShardMesh
 from .unit import FSDPUnit, TrainingState
@@ -251,6 +251,7 @@ class FSDPModel(torch.nn.Module):
     def _on_grad_ready(self, u: FSDPUnit, i: int, g: torch.Tensor) -> None:
         """Launch the reduction of flat i of unit u (asynchronous; waited in _finish_backward)."""
         g = g if g.dtype == self.reduce_dtype else g.to(self.reduce_dtype)
+        self.acct.alloc("unsharded_grads", g.numel() * g.element_size())
         flat, m = u.flats[i], self.mesh
         if m.shard_size > 1:
             out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=g.device)
@@ -378,7 +379,7 @@ class FSDPModel(torch.nn.Module):
         for flat in self.flats():
             full = torch.empty(flat.padded_numel, dtype=torch.float32, device=flat.shard.device)
             if self.mesh.shard_size > 1:
-                dist.all_gather_into_tensor(full, flat.shard, group=self.mesh.shard_group)
+                _all_gather(full, flat.shard, group=self.mesh.shard_group)
             else:
                 full.copy_(flat.shard)
             for info in flat.infos:
@@ -394,7 +395,7 @@ class FSDPModel(torch.nn.Module):
             g = flat.grad if flat.grad is not None else torch.zeros_like(flat.shard)
             full = torch.empty(flat.padded_numel, dtype=torch.float32, device=g.device)
             if self.mesh.shard_size > 1:
-                dist.all_gather_into_tensor(full, g, group=self.mesh.shard_group)
+                _all_gather(full, g, group=self.mesh.shard_group)
             else:
                 full.copy_(g)
             for info in flat.infos:

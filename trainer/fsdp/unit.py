@@ -146,7 +146,6 @@ class FSDPUnit:
             # Keep the unsharded gradient, in reduce_dtype, until the micro-batch that syncs.
             self._grad_accum[i] = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
         else:
-            self.acct.alloc("unsharded_grads", g.numel() * g.element_size())
             self.on_grad_ready(self, i, g)
         self._grads_seen.add(i)
         if len(self._grads_seen) == sum(f.requires_grad for f in self.flats):
