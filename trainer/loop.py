@@ -30,6 +30,7 @@ from trainer.checkpoint import CheckpointReader, CheckpointWriter, TensorChunk, 
 from trainer.config import ConfigError, JobConfig, ShardingStrategy
 from trainer.data import Batcher, global_tokens_per_step, load_tokens
 from trainer.fsdp import FSDPModel, build_mesh
+from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.metrics import NullLogger
 from trainer.model import build_model, flops_per_token, init_parameters, loss_sum
 
@@ -107,6 +108,7 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.param_groups(o.weight_decay), lr=o.lr,
                                            betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        self.scaler = ShardedGradScaler(enabled=cfg.sharding.param_dtype == "float16")
         tokens = load_tokens(cfg.data.prepared_dir)
         self.batcher = Batcher(tokens, cfg.data.seq_len, cfg.data.seed, cfg.train.global_batch_size)
         self.global_tokens = global_tokens_per_step(cfg.train.global_batch_size, cfg.data.seq_len)
@@ -145,6 +147,7 @@ class Trainer:
             "strategy": c.sharding.strategy,
             "model_config": dataclasses.asdict(c.model),
             "model_digest": model_digest(c),
+            "grad_scaler": self.scaler.state_dict(),
             "rng_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         }
 
@@ -182,6 +185,8 @@ class Trainer:
                                self.optimizer, optim_step=st["optim_step"])
         rng = torch.frombuffer(bytearray(base64.b64decode(st["rng_cpu"])), dtype=torch.uint8)
         torch.set_rng_state(rng)
+        if "grad_scaler" in st:
+            self.scaler.load_state_dict(st["grad_scaler"])
         self.step = int(st["step"])
         self.resumed_from = path
         self.writer.protect(path)
@@ -203,10 +208,13 @@ class Trainer:
             sync = k == n_micro - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 s, _ = loss_sum(self.model(mb.inputs), mb.targets, mb.weight)
-                (s / self.global_tokens).backward()
+                self.scaler.scale_loss(s / self.global_tokens).backward()
             loss_total += s.detach()
+        found_inf = self.scaler.unscale_and_check(self.model.grad_shards(), self.world)
         norm = self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
-        self.optimizer.step()
+        if not found_inf:  # fp16 overflow on any rank: every rank skips this step
+            self.optimizer.step()
+        self.scaler.update(found_inf)
         self.model.zero_grad()
         if self.world > 1:
             dist.all_reduce(loss_total)

@@ -30,7 +30,7 @@ from trainer.config import ShardingConfig, ShardingStrategy
 
 from .accounting import Accounting
 from .collectives import Collectives, Handle, _all_gather
-from .flat_param import FlatParameter, ParamInfo, flatten_tensors
+from .flat_param import FlatParameter, ParamInfo
 from .mesh import ShardMesh
 from .unit import FSDPUnit, TrainingState
 
@@ -104,11 +104,15 @@ class FSDPModel(torch.nn.Module):
             infos.append(ParamInfo(fqn, mod_name, attr, p.shape, offset, p.ndim >= 2))
             offset += p.numel()
         flat = FlatParameter(infos, self.mesh.shard_size, self.mesh.shard_rank, requires_grad, self.device)
-        values = []
+        # One parameter at a time: materialise it, copy the slice this rank owns, drop it. Peak
+        # memory is the shard plus the largest single parameter, never the unit or the model.
         for (mod_name, attr, p), info in zip(entries, infos):
-            values.append(self._materialize(owners[mod_name], mod_name, attr, p, init_fn))
+            value = self._materialize(owners[mod_name], mod_name, attr, p, init_fn)
+            a, b = max(info.offset, flat.lo), min(info.offset + info.numel, flat.hi)
+            if a < b:
+                flat.shard[a - flat.lo:b - flat.lo].copy_(value.reshape(-1)[a - info.offset:b - info.offset])
+            del value
             delattr(owners[mod_name], attr)  # the attribute becomes a plain tensor view at unshard
-        flat.fill_shard_from_full(flatten_tensors(values).to(self.device))
         return flat
 
     def _materialize(self, owner, mod_name, attr, p, init_fn) -> torch.Tensor:
@@ -304,6 +308,9 @@ class FSDPModel(torch.nn.Module):
         finally:
             for u in self.all_units():
                 u.no_sync = False
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [f.grad for f in self.flats() if f.grad is not None]
 
     # ---- clipping -------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

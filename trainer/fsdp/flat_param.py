@@ -83,18 +83,9 @@ class FlatParameter:
             p.grad = None if self.grad is None else self.grad[off:off + p.numel()]
 
     # ---- flattening --------------------------------------------------------------------
-    def fill_shard_from_full(self, full: torch.Tensor) -> None:
-        """Copy this rank's slice out of a full unpadded flat tensor (at wrap time)."""
-        n = self.valid_numel
-        if n:
-            self.shard[:n].copy_(full[self.lo:self.lo + n])
-
     def split_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of an unsharded flat tensor shaped as the original parameters (one autograd node)."""
         sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
         pieces = torch.split(flat, sizes)
         return [p.view(i.shape) for p, i in zip(pieces, self.infos)]
 
-
-def flatten_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)

@@ -1,0 +1,79 @@
+"""What each Ray Train worker runs: rebuild the job, adapt Ray's context to trainer.loop, train.
+
+Ray Train's TorchTrainer has already joined this process to the default torch.distributed group
+(gloo on CPU, NCCL on GPU) before this function starts.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from cluster.job_codec import job_from_dict
+from cluster.ray_checkpoint import read_pointer, report_checkpoint
+from trainer.metrics import MetricsLogger, MLflowLogger, NullLogger, print0
+
+
+@dataclass
+class LaunchInfo:
+    """What the driver decided at launch, besides the config itself."""
+
+    checkpoint_root: str
+    """Where this run's checkpoints live: <storage_path>/<run_name>/checkpoints."""
+    mlflow_run_id: Optional[str] = None
+    """The run the driver created; None when tracking is disabled."""
+
+
+def worker_config(job: dict, launch: LaunchInfo) -> dict:
+    """TorchTrainer's train_loop_config: plain builtins only."""
+    return {"job": job, "launch": asdict(launch)}
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import ray.train
+    from trainer.loop import WorkerContext, run_training
+
+    cfg = job_from_dict(config["job"])
+    launch = LaunchInfo(**config["launch"])
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    logger = make_logger(rank, cfg.tracking.tracking_uri, launch.mlflow_run_id)
+    announce_resume(ray.train.get_checkpoint())
+    ctx = WorkerContext(
+        rank=rank,
+        world_size=context.get_world_size(),
+        local_rank=context.get_local_rank(),
+        local_world_size=context.get_local_world_size(),
+        checkpoint_root=launch.checkpoint_root,
+        # The loop takes the newest valid checkpoint in checkpoint_root itself. That is never
+        # older than Ray's latest report (a checkpoint is committed before it is reported) and
+        # is newer when a worker died between commit and report, so Ray's is not passed here.
+        resume_from=None,
+        on_checkpoint=report_checkpoint,
+        logger=logger,
+        device=worker_device(cfg.cluster.use_gpu),
+    )
+    try:
+        run_training(cfg, ctx)
+    finally:
+        logger.close()
+
+
+def make_logger(rank: int, tracking_uri: str, run_id: Optional[str]) -> MetricsLogger:
+    if rank == 0 and run_id:
+        return MLflowLogger(tracking_uri, run_id)
+    return NullLogger()
+
+
+def announce_resume(ray_checkpoint) -> None:
+    pointer = read_pointer(ray_checkpoint)
+    if pointer:
+        print0(f"Ray's latest reported checkpoint: step {pointer['step']} at {pointer['checkpoint']}")
+
+
+def worker_device(use_gpu: bool):
+    """The GPU Ray assigned to this worker; None lets the loop follow cfg.train.device."""
+    if not use_gpu:
+        return None
+    import ray.train.torch
+
+    return ray.train.torch.get_device()

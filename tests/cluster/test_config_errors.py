@@ -1,0 +1,55 @@
+"""Bad input fails through the real CLI with a message naming the key, the value and what is
+valid, before any worker starts: no Ray, no MLflow run, no run folder."""
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.conftest import run_cli
+
+NOTHING_STARTED_MARKERS = ("Started a local Ray instance", "mlflow: run")
+
+
+def assert_failed_before_start(result, launch_dir, *expected: str) -> None:
+    assert result.returncode != 0, result.output
+    for text in expected:
+        assert text in result.output, f"{text!r} not in:\n{result.output}"
+    for marker in NOTHING_STARTED_MARKERS:
+        assert marker not in result.output
+    assert not (launch_dir / "runs").exists()
+    assert not (launch_dir / "mlflow.db").exists()
+
+
+def test_unknown_sharding_option_fails_listing_the_valid_options(launch_dir):
+    result = run_cli(launch_dir, "sharding=full_shrad")
+    assert_failed_before_start(result, launch_dir, "Could not find 'sharding/full_shrad'",
+                               "full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+
+@pytest.mark.parametrize("override", ["train.foo=1", "+train.foo=1"])
+def test_unknown_key_fails_naming_the_key(launch_dir, override):
+    result = run_cli(launch_dir, override)
+    assert_failed_before_start(result, launch_dir, "foo")
+    assert "TrainConfig" in result.output or "valid keys of train: steps" in result.output
+
+
+def test_value_of_wrong_type_fails_naming_the_key(launch_dir):
+    result = run_cli(launch_dir, "train.steps=many")
+    assert_failed_before_start(result, launch_dir, "'many'", "train.steps")
+
+
+@pytest.mark.parametrize("steps", ["0", "-5"])
+def test_non_positive_steps_fails_naming_the_value(launch_dir, steps):
+    result = run_cli(launch_dir, f"train.steps={steps}")
+    assert_failed_before_start(result, launch_dir, f"train.steps={steps}", "a positive integer")
+
+
+def test_global_batch_smaller_than_world_size_fails(launch_dir):
+    result = run_cli(launch_dir, "train.global_batch_size=3", "cluster.num_workers=4")
+    assert_failed_before_start(result, launch_dir, "train.global_batch_size=3",
+                               "at least the largest world size (4)")
+
+
+def test_missing_data_path_fails_naming_the_path(launch_dir):
+    missing = launch_dir / "no_such_corpus"
+    result = run_cli(launch_dir, f"data.source={missing}")
+    assert_failed_before_start(result, launch_dir, f"data.source='{missing}'", "no such file")

@@ -1,0 +1,171 @@
+"""CheckpointWriter: the training loop's handle for saving, one per rank.
+
+    writer = CheckpointWriter("s3://bucket/run/checkpoints", keep=3)
+    writer.save(step, rank, world, chunks, state, barrier)   # returns once chunks are on the host
+    ...
+    writer.close()                                            # waits, re-raises a failed save
+
+The order of one save, on every rank: copy chunks to the host (the loop waits only for this) ->
+[background] write shard file + index -> barrier() -> rank 0: commit (manifest last) -> retention.
+A rank whose write failed still enters the barrier, so the others never hang on it; rank 0 then
+finds its index missing and does not commit.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import pyarrow.fs as pafs
+import torch
+
+from trainer.checkpoint import shard, storage
+from trainer.checkpoint.commit import commit
+from trainer.checkpoint.format import BLOCK_BYTES, CheckpointError, TensorChunk, step_dir_name
+from trainer.checkpoint.retention import apply_retention, normalize
+from trainer.checkpoint.storage import Location
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointWriter:
+    def __init__(self, root: str, keep: int = 3, async_save: bool = True,
+                 filesystem: Optional[pafs.FileSystem] = None, block_bytes: int = BLOCK_BYTES):
+        """`root`: a local path or a pyarrow.fs URI (or a path inside `filesystem`); checkpoints
+        go to f"{root}/step_{step:09d}". `keep`: committed checkpoints kept by rank 0.
+        `block_bytes`: checksum block size (tests use small blocks)."""
+        if keep < 1:
+            raise CheckpointError(f"CheckpointWriter keep={keep!r}; valid: an integer >= 1")
+        if block_bytes <= 0 or block_bytes % 8:
+            raise CheckpointError(f"CheckpointWriter block_bytes={block_bytes!r}; valid: a "
+                                  "positive multiple of 8")
+        self.root: Location = storage.resolve(root, filesystem)
+        self._filesystem = filesystem
+        self.keep, self.async_save, self.block_bytes = keep, async_save, block_bytes
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save") if async_save else None
+        self._pending: Optional[tuple[Future, str]] = None
+        self._last_path: Optional[str] = None
+        self._protected: set[str] = set()
+        self._staging: Optional[torch.Tensor] = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+
+    def save(self, step: int, rank: int, world_size: int, chunks: list[TensorChunk],
+             state: dict, barrier: Callable[[], None]) -> None:
+        """Save this rank's chunks of checkpoint `step`; see the module docstring for the order.
+
+        Blocks until the previous save finished (re-raising its failure) and the chunks are
+        copied to host memory. `state` (JSON-able) is taken from rank 0 into the manifest.
+        """
+        if self._closed:
+            raise CheckpointError("CheckpointWriter.save() after close()")
+        self.wait()
+        step_dir = self._check_args(step, rank, world_size, chunks)
+        state_copy = _json_copy(state)
+        placements, total = shard.plan(chunks)
+        self._staging = shard.stage(chunks, placements, total, self._staging)
+        desc = f"step {step} (rank {rank} of {world_size}) to {step_dir}"
+        job = (step_dir, step, rank, world_size, placements, total, self._staging, state_copy, barrier)
+        if self._executor is None:
+            self._last_path = _reraise(desc, lambda: self._write(*job))
+            return
+        fut = self._executor.submit(self._write, *job)
+        fut.add_done_callback(lambda f: _log_failure(desc, f))
+        self._pending = (fut, desc)
+
+    def wait(self) -> Optional[str]:
+        """Wait for the save in flight; return the path of the last save (committed when this
+        is rank 0). Re-raises a failure of the background save, once."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            fut, desc = pending
+            self._last_path = _reraise(desc, fut.result)
+        return self._last_path
+
+    def protect(self, path: str) -> None:
+        """Never delete this checkpoint (the one the run resumed from), nor save over it."""
+        self._protected.add(normalize(path, self._filesystem))
+
+    def close(self) -> None:
+        """Wait for the last save (re-raising its failure) and stop the background thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_args(self, step, rank, world_size, chunks) -> Location:
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"save step={step!r}; valid: an integer >= 0")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise CheckpointError(f"save world_size={world_size!r}; valid: an integer >= 1")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise CheckpointError(f"save rank={rank!r}; valid: 0 <= rank < world_size={world_size}")
+        shard.validate_chunks(chunks)
+        step_dir = self.root.child(step_dir_name(step))
+        if step_dir.path in self._protected:
+            raise CheckpointError(f"refusing to save step {step} over {step_dir}: it is the "
+                                  "protected checkpoint this run resumed from")
+        return step_dir
+
+    def _write(self, step_dir, step, rank, world_size, placements, total, staging, state,
+               barrier) -> str:
+        error = None
+        try:
+            shard.write_shard(step_dir, step, rank, world_size, placements, total, staging,
+                              self.block_bytes)
+        except BaseException as e:  # still enter the barrier: the other ranks wait for us
+            error = e
+        barrier()
+        if error is not None:
+            raise error
+        if rank == 0:
+            commit(step_dir, step, world_size, state)
+            self._retain(step)
+        return str(step_dir)
+
+    def _retain(self, step: int) -> None:
+        # The checkpoint is committed: a failure to delete old ones must not fail the save.
+        try:
+            apply_retention(self.root, self.keep, step, self._protected)
+        except OSError as e:
+            log.warning("checkpoint retention under %s failed (nothing committed is lost): %s",
+                        self.root, e)
+
+
+
+def _reraise(desc: str, fn: Callable[[], str]) -> str:
+    try:
+        return fn()
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint save of {desc} failed: {e}") from e
+    except Exception as e:
+        raise CheckpointError(f"checkpoint save of {desc} failed: {type(e).__name__}: {e}") from e
+
+
+def _log_failure(desc: str, fut: Future) -> None:
+    """Log a failure as soon as it happens; the next save()/wait()/close() raises it too."""
+    if fut.exception() is not None:
+        log.error("background checkpoint save of %s failed: %s", desc, fut.exception())
+
+
+def _json_copy(state: dict) -> dict:
+    """A deep copy through JSON, so the manifest can hold it and later mutations do not leak."""
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint state must be JSON-able (encode tensors/bytes, e.g. "
+                              f"RNG states, as base64 strings): {e}") from e
