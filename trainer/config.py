@@ -240,6 +240,8 @@ class ClusterConfig:
     """Worker-group restarts allowed after failures (-1 = unlimited)."""
     pg_timeout_s: float = 600.0
     """Process-group (collective) timeout in seconds."""
+    elastic_resize_monitor_interval_s: float = 60.0
+    """How often Ray Train checks whether an elastic run can grow (ScalingConfig field)."""
 
     def validate(self) -> None:
         if self.num_workers <= 0:
@@ -260,6 +262,31 @@ class ClusterConfig:
         if self.min_workers is None:
             return self.num_workers, self.num_workers
         return self.min_workers, self.max_workers
+
+
+FAULT_KINDS = ("crash", "drain")
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests and drills: each fault fires once per run, never again on resume."""
+
+    kill_rank: int = -1
+    """Rank to hit; -1 disables fault injection."""
+    at_step: int = -1
+    """Step before which the fault fires."""
+    kind: str = "crash"
+    """crash: the worker process dies at once (os._exit); drain: SIGTERM, a graceful leave."""
+
+    def validate(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            _fail("fault.kind", self.kind, ", ".join(FAULT_KINDS))
+        if self.kill_rank >= 0 and self.at_step < 0:
+            _fail("fault.at_step", self.at_step, "a step >= 0 when fault.kill_rank is set")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kill_rank >= 0
 
 
 @dataclass
@@ -288,6 +315,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def validate(self) -> "JobConfig":
         for f in dataclasses.fields(self):
@@ -296,6 +324,8 @@ class JobConfig:
         if self.train.global_batch_size < hi:
             _fail("train.global_batch_size", self.train.global_batch_size,
                   f"at least the largest world size ({hi}), so every rank gets a sequence")
+        if self.fault.enabled and self.fault.kill_rank >= lo:
+            _fail("fault.kill_rank", self.fault.kill_rank, f"a rank below the smallest world size ({lo})")
         if self.data.seq_len > self.model.max_seq_len:
             _fail("data.seq_len", self.data.seq_len, f"at most model.max_seq_len={self.model.max_seq_len}")
         return self
