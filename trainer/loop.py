@@ -55,6 +55,9 @@ class WorkerContext:
     """None -> from cfg.train.device."""
     fault: Optional[Callable[[int], None]] = None
     """Called with the step number before each step (fault injection in tests and drills)."""
+    on_step: Optional[Callable[[int, dict], Optional[dict]]] = None
+    """Called on every rank after each step with (step, metrics); a returned dict is merged into
+    the metrics that rank 0 logs (the cluster layer adds elastic/* this way)."""
 
 
 @dataclass
@@ -87,6 +90,27 @@ def resolve_device(cfg: JobConfig, ctx: WorkerContext) -> torch.device:
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", ctx.local_rank % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+# Dense peak FLOP/s of one device by name and compute dtype (vendor datasheets, no sparsity).
+PEAK_FLOPS = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    "L4": {"bfloat16": 121e12, "float16": 121e12, "float32": 30e12},
+    "A10G": {"bfloat16": 125e12, "float16": 125e12, "float32": 31e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: str) -> Optional[float]:
+    """The device's peak FLOP/s for `dtype`, or None when unknown (CPUs: no MFU is reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_FLOPS.items():
+        if key in name:
+            return table.get(dtype)
+    return None
 
 
 class Trainer:
@@ -242,6 +266,9 @@ class Trainer:
              "perf/tflops_per_worker": self.flops_per_token * tokens_per_s / self.world / 1e12,
              "elastic/world_size": float(self.world)}
         m.update(self.model.acct.metrics())
+        peak = peak_flops(self.device, self.cfg.sharding.param_dtype)
+        if peak:
+            m["perf/mfu"] = m["perf/tflops_per_worker"] * 1e12 / peak
         if self.device.type == "cuda":
             m["mem/device_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
         return m
@@ -263,6 +290,8 @@ class Trainer:
             losses.append((self.step - 1, loss))
             if (self.step - 1) % self.cfg.train.log_every == 0 or self.step == total:
                 m = self.metrics(loss, norm, dt)
+                if self.ctx.on_step is not None:
+                    m.update(self.ctx.on_step(self.step - 1, m) or {})
                 self._print0(f"step {self.step - 1:5d} | loss {loss:.4f} | lr {m['train/lr']:.2e} | "
                              f"gnorm {norm:.3f} | {m['perf/tokens_per_s']:8.0f} tok/s | "
                              f"{dt * 1000:7.1f} ms | world {self.world}")
