@@ -152,6 +152,10 @@ class Trainer:
             dist.barrier(group=self._ckpt_group)
 
     def chunks(self) -> list[TensorChunk]:
+        """This rank's named element ranges. Replicas (NO_SHARD, HYBRID_SHARD across groups) hold
+        identical bytes: only the first replica writes them, the others write an empty shard."""
+        if self.mesh.replicate_rank != 0:
+            return []
         out = [TensorChunk(f"model/{fqn}", shape, torch.float32, start, t)
                for fqn, shape, start, t in self.model.param_pieces()]
         out += [TensorChunk(f"optim/{fqn}/{name}", shape, t.dtype, start, t)

@@ -14,6 +14,7 @@ from trainer.model import build_model, init_parameters, loss_sum, model_config
 
 SEED = 1234
 SEQ = 16
+BATCH_SEQ = SEQ
 # 3 blocks; 13,699 params per block and root sizes chosen so no unit divides evenly by 3.
 MODEL = dict(dim=36, n_layers=3, n_heads=3, ffn_dim=100, vocab_size=259)
 LR, WD, CLIP = 3e-3, 0.1, 0.5
