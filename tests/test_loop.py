@@ -70,3 +70,23 @@ def test_checkpoint_of_another_model_is_refused_with_a_clear_error(cfg, tmp_path
     other.model.n_layers = 3
     with pytest.raises(ConfigError, match="written for model"):
         _train(0, 1, other, root, None)
+
+
+def _flip_a_byte(path):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_a_corrupt_shard_on_one_rank_makes_every_rank_fall_back_to_the_previous_checkpoint(
+        cfg, uninterrupted, tmp_path, capfd):
+    root = tmp_path / "ckpt"
+    first = run_distributed(_train, 2, cfg, str(root), 6)[0]  # checkpoints at steps 3 and 6
+    assert first["last"].endswith("step_000000006")
+    _flip_a_byte(root / "step_000000006" / "rank-00001-of-00002.bin")
+    second = run_distributed(_train, 2, cfg, str(root), None)[0]
+    assert second["start"] == 3, "rank 0 could read step 6 alone; all ranks must fall back together"
+    out = capfd.readouterr().out
+    assert "step_000000006 is unusable" in out and "falling back" in out
+    for step, loss in second["losses"]:
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step

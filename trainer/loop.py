@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import CheckpointReader, CheckpointWriter, TensorChunk, latest_checkpoint
+from trainer.checkpoint import CheckpointError, CheckpointReader, CheckpointWriter, TensorChunk, list_checkpoints
 from trainer.config import ConfigError, JobConfig, ShardingStrategy
 from trainer.data import Batcher, global_tokens_per_step, load_tokens
 from trainer.fsdp import FSDPModel, build_mesh
@@ -196,10 +196,41 @@ class Trainer:
         return path
 
     def resume(self) -> None:
-        path = self.ctx.resume_from or latest_checkpoint(self.ctx.checkpoint_root, log=self._print0)
-        if not path:
-            return
-        reader = CheckpointReader(path)
+        """Load the newest checkpoint that every rank can read whole; older ones are the fallback.
+
+        `latest_checkpoint`-style checks are cheap (manifest, sizes); a flipped byte inside a shard
+        only shows when its block is read. A rank that hits one tells the others (MAX all-reduce),
+        and all ranks move to the next older checkpoint together: never a mix of two."""
+        if self.ctx.resume_from:
+            candidates = [self.ctx.resume_from]
+        else:
+            infos = list_checkpoints(self.ctx.checkpoint_root)
+            for info in infos:
+                if info.problem:
+                    self._print0(f"skipping checkpoint {info.path}: {info.problem}")
+            candidates = [info.path for info in infos if not info.problem]
+        for path in candidates:
+            error, state = self._try_load(path)
+            failed = torch.tensor([0.0 if error is None else 1.0], device=self.device)
+            if self.world > 1:
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if not failed.item():
+                self._adopt(path, state)
+                return
+            if error is not None:
+                print(f"rank {self.rank}: checkpoint {path} is unusable: {error}", flush=True)
+            self._print0(f"checkpoint {path} failed to load on some rank: falling back to an older one")
+        if candidates:  # committed checkpoints exist and none loads: starting over would lose them
+            raise CheckpointError(f"none of the committed checkpoints under {self.ctx.checkpoint_root} "
+                                  f"can be loaded ({', '.join(candidates)}); run `python -m trainer.checkpoint "
+                                  "verify PATH` on them, or start a new run (cluster.run_name)")
+
+    def _try_load(self, path: str) -> tuple[Optional[str], Optional[dict]]:
+        """Load `path` into this rank's shards: (None, trainer state), or (the error text, None)."""
+        try:
+            reader = CheckpointReader(path)
+        except CheckpointError as e:
+            return str(e), None
         st = reader.state
         if st.get("model_digest") != model_digest(self.cfg):
             raise ConfigError(f"invalid config: the checkpoint at {path} was written for model "
@@ -209,8 +240,15 @@ class Trainer:
             raise ConfigError(f"invalid config: train.global_batch_size={self.cfg.train.global_batch_size} "
                               f"but the checkpoint at {path} was trained with {st['global_batch_size']}; "
                               "valid: the same global batch (the data position depends on it)")
-        self.model.load_pieces(lambda key, start, n: reader.read(key, start, n).to(self.device),
-                               self.optimizer, optim_step=st["optim_step"])
+        try:
+            self.model.load_pieces(lambda key, start, n: reader.read(key, start, n).to(self.device),
+                                   self.optimizer, optim_step=st["optim_step"])
+        except CheckpointError as e:
+            return str(e), None
+        return None, st
+
+    def _adopt(self, path: str, st: dict) -> None:
+        """Every rank loaded `path`: take its step, RNG and scaler, and never delete it."""
         rng = torch.frombuffer(bytearray(base64.b64decode(st["rng_cpu"])), dtype=torch.uint8)
         torch.set_rng_state(rng)
         if "grad_scaler" in st:
