@@ -1,0 +1,135 @@
+"""A multi-node Ray cluster on this machine for the elastic tests, and the real CLI run against it.
+
+`ray.cluster_utils.Cluster` starts a head node and extra nodes as separate raylets, each with
+its own logical CPUs; a node removed takes its worker processes with it, as a lost machine would.
+The cluster lives under its own short RAY_TMPDIR (unix socket paths are length-limited), so
+its address file never redirects another test's `ray.init()` to it, nor this one to another's.
+The CLI runs as a subprocess in its own process group with RAY_ADDRESS set, its output going to a
+file the test can read while it runs.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Ray Train's clocks, shortened so failures are seen and acted on within a fraction of a second.
+FAST_RAY_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
+    "RAY_TRAIN_STATE_ACTOR_RECONCILIATION_INTERVAL_S": "5",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+class LocalCluster:
+    """A head node plus worker nodes, each `cpus` logical CPUs; shut down by `close()`."""
+
+    def __init__(self, head_cpus: int):
+        from ray.cluster_utils import Cluster
+
+        self.tmp = tempfile.mkdtemp(prefix="efr", dir="/tmp")
+        self.ray_tmp = os.path.join(self.tmp, "ray")  # where Ray looks under RAY_TMPDIR
+        os.makedirs(self.ray_tmp)
+        self._saved_env = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "PYTHONPATH", "RAY_USAGE_STATS_ENABLED")}
+        os.environ["RAY_TMPDIR"] = self.tmp  # inherited by every Ray process this cluster starts
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        self.cluster = Cluster(initialize_head=True, connect=False,
+                               head_node_args={"num_cpus": head_cpus, "temp_dir": self.ray_tmp,
+                                               "include_dashboard": False})
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self, cpus: int = 1):
+        return self.cluster.add_node(num_cpus=cpus, temp_dir=self.ray_tmp)
+
+    def remove_node(self, node) -> None:
+        self.cluster.remove_node(node)
+
+    def close(self) -> None:
+        try:
+            self.cluster.shutdown()
+        finally:
+            for k, v in self._saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@dataclass
+class CliRun:
+    """`python -m cluster.train` running in the background; output in `log`."""
+
+    proc: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        """The exit status; on a timeout the whole process group is killed and AssertionError raised."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"cluster.train did not finish in {timeout}s; output:\n{self.output()[-8000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def start_cli(launch_dir: Path, address: str, *overrides: str, env: Optional[dict] = None) -> CliRun:
+    """The real entry point against the cluster at `address`, launched from `launch_dir`."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    full_env.update(FAST_RAY_TRAIN_ENV, RAY_ADDRESS=address, **(env or {}))
+    log = launch_dir / "cli.log"
+    args = [sys.executable, "-m", "cluster.train", f"hydra.run.dir={launch_dir}/outputs", *overrides]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=launch_dir, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return CliRun(proc, log)
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    """The elastic records of a run (cluster/elastic.py), oldest first; torn ones left out."""
+    out = []
+    for path in sorted(glob.glob(str(run_dir / "elastic" / "attempts" / "*.json"))):
+        try:
+            out.append(json.loads(Path(path).read_text()))
+        except ValueError:
+            continue
+    return out
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, run: Optional[CliRun] = None):
+    """Poll `condition` (a file the run writes) until it holds; fail early if the run ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if run is not None and run.proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {run.proc.returncode}) before {what}:\n"
+                                 f"{run.output()[-8000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
+                         + (f":\n{run.output()[-8000:]}" if run else ""))

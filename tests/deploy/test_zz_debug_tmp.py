@@ -1,0 +1,178 @@
+"""`ray job submit --working-dir <repo> -- python -m cluster.train ...` against a real Ray head.
+
+deploy/README.md section 9, run for real: a Ray 2.60 head on loopback with token authentication
+on (its own temp dir, ports and token; tests/deploy/local_ray_head.py), the real entry point
+submitted with the `ray` CLI and the checkout uploaded through .rayignore, two CPU workers, a
+few steps. One job (~1 min here, most of it Ray start-up) backs every test below; the head is
+stopped, and only that head, before they look at what it left.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from deploy_helpers import REPO_ROOT
+from local_ray_head import RAY, RayHead, local_ray_head
+from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint.format import data_file_name
+
+JOB_ID = "elastic-fsdp-job-submit-test"
+RUN_NAME = "job-submit"
+STEPS = 4
+WORKERS = 2
+SUBMIT_TIMEOUT_S = 480  # generous: another test may run Ray on this 2-core machine meanwhile
+MAX_UPLOAD_MIB = 20  # the checkout without .venv/.git/runs is well under 1 MiB
+USER_TOKEN = Path.home() / ".ray" / "auth_token"
+
+
+@dataclass
+class SubmittedJob:
+    head: RayHead
+    out: Path  # storage, prepared data, MLflow store and Hydra outputs of the job
+    returncode: int
+    output: str  # `ray job submit` stdout+stderr: the upload, then the job's own logs
+    info: dict  # GET /api/jobs/<id> once the submit command returned
+    http_status: dict[str, int]  # GET /api/jobs/ without, with a wrong, with the right token
+    uploaded: set[str]  # top-level names of the working dir as the head unpacked it
+    user_token_before: tuple | None
+    user_token_after: tuple | None = None
+
+
+def train_overrides(out: Path) -> list[str]:
+    """README section 9's command made small: absolute paths, since the job runs in Ray's copy."""
+    return [
+        "cluster=ray", "model=tiny", "model.n_layers=2", "model.dim=64", "model.n_heads=4",
+        "model.ffn_dim=128", "cluster.use_gpu=false", f"cluster.num_workers={WORKERS}",
+        "cluster.cpus_per_worker=1", "cluster.max_failures=0", f"cluster.run_name={RUN_NAME}",
+        f"cluster.storage_path={out}/runs", f"data.prepared_dir={out}/data",
+        "data.max_bytes=300000", "data.seq_len=64", f"tracking.tracking_uri={tracking_uri(out)}",
+        f"tracking.experiment={RUN_NAME}", f"train.steps={STEPS}", "train.checkpoint_every=2",
+        "train.global_batch_size=4", "optim.warmup_steps=1", f"hydra.run.dir={out}/outputs",
+    ]
+
+
+def tracking_uri(out: Path) -> str:
+    return f"sqlite:///{out}/mlflow.db"  # out is absolute: four slashes
+
+
+def submit_command(head: RayHead, out: Path) -> list[str]:
+    runtime_env = {"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}}
+    return [RAY, "job", "submit", "--address", head.dashboard_url, "--submission-id", JOB_ID,
+            "--working-dir", str(REPO_ROOT), "--runtime-env-json", json.dumps(runtime_env),
+            "--", "python", "-m", "cluster.train", *train_overrides(out)]
+
+
+def get(head: RayHead, path: str, token: str | None) -> tuple[int, bytes]:
+    """GET on the head's dashboard, with `Authorization: Bearer <token>` unless token is None."""
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    request = urllib.request.Request(head.dashboard_url + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def token_file_state() -> tuple | None:
+    """The user's own ~/.ray/auth_token as (size, mtime): compared, never read or written."""
+    if not USER_TOKEN.exists():
+        return None
+    st = USER_TOKEN.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def unpacked_working_dir(head: RayHead) -> set[str]:
+    """Top-level names of the uploaded package as the head unpacked it for the job."""
+    (pkg,) = [p for p in (head.session_dir() / "runtime_resources" / "working_dir_files").iterdir()
+              if p.is_dir()]
+    return {p.name for p in pkg.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> SubmittedJob:
+    out = tmp_path_factory.mktemp("job_submit")
+    before = token_file_state()
+    with local_ray_head(num_cpus=3) as head:
+        http_status = {name: get(head, "/api/jobs/", token)[0]
+                       for name, token in (("none", None), ("wrong", "0" * 64), ("right", head.token))}
+        # Blocks while it tails the job's logs, until the job reaches a terminal state.
+        proc = subprocess.run(submit_command(head, out), env=head.client_env(), cwd=out,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=SUBMIT_TIMEOUT_S)
+        status, body = get(head, f"/api/jobs/{JOB_ID}", head.token)
+        assert status == 200, body
+        record = SubmittedJob(head, out, proc.returncode, proc.stdout, json.loads(body),
+                              http_status, unpacked_working_dir(head), before)
+    record.user_token_after = token_file_state()
+    return record
+
+
+def test_job_succeeded(job):
+    assert job.info["status"] == "SUCCEEDED", f"{job.info}\n{job.output[-6000:]}"
+    assert job.returncode == 0
+    assert f"Job '{JOB_ID}' succeeded" in job.output
+    assert job.info["driver_exit_code"] == 0
+
+
+def test_job_joined_the_head_on_loopback_instead_of_starting_its_own_ray(job):
+    """cluster/ray_launch.py takes RAY_ADDRESS, which `ray job` sets to the head's GCS."""
+    assert f"Connecting to existing Ray cluster at address: {job.head.gcs_address}" in job.output, \
+        job.output[-6000:]
+    assert "Started a local Ray instance" not in job.output
+
+
+def test_head_refuses_clients_without_its_token_and_the_users_token_is_untouched(job):
+    assert job.http_status == {"none": 401, "wrong": 403, "right": 200}
+    assert job.user_token_after == job.user_token_before
+
+
+def test_upload_is_the_code_only_and_small(job):
+    """.rayignore at work: the packager's own size report, and what reached the head."""
+    sizes = re.findall(r"Pushing file package 'gcs://_ray_pkg_\w+\.zip' \(([\d.]+)MiB\)", job.output)
+    assert len(sizes) == 1, job.output[:3000]
+    assert float(sizes[0]) < MAX_UPLOAD_MIB
+    assert {"cluster", "trainer", "conf", "pyproject.toml"} <= job.uploaded
+    assert not job.uploaded & {".venv", ".git", "runs", "outputs", "multirun", "data", "mlruns",
+                               "mlflow.db"}, sorted(job.uploaded)
+
+
+def test_mlflow_has_the_finished_run_with_a_loss_per_step(job):
+    client = MlflowClient(tracking_uri(job.out))
+    experiment = client.get_experiment_by_name(RUN_NAME)
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert (params["cluster.num_workers"], params["train.steps"]) == (str(WORKERS), str(STEPS))
+    assert params["train.checkpoint_dir"] == f"{job.out}/runs/{RUN_NAME}/checkpoints"
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1)) or len(losses) == STEPS
+    assert all(m.value > 0 for m in losses)
+
+
+def test_both_ranks_wrote_their_shards_of_every_checkpoint(job):
+    checkpoints = list_checkpoints(f"{job.out}/runs/{RUN_NAME}/checkpoints")
+    assert [c.step for c in checkpoints] == [STEPS, STEPS // 2]
+    for c in checkpoints:
+        assert c.problem is None, c
+        for rank in range(WORKERS):
+            assert Path(c.path, data_file_name(rank, WORKERS)).stat().st_size > 0
+
+
+def test_stopping_the_head_left_none_of_its_processes_and_removed_its_temp_dir(job):
+    assert job.head.processes() == [], job.head.killed
+    assert job.head.process.returncode is not None
+    assert not job.head.temp_dir.exists()
+def test_debug(job):
+    import time
+    print("KILLED", job.head.killed)
+    print("INFO", job.info)
+    print("UPLOADED", job.uploaded)
+    print(job.output)
