@@ -247,7 +247,10 @@ def init_parameters(module: nn.Module, seed: int, prefix: str = "",
                                "materialise it first (module.to_empty(device=...))")
     with torch.no_grad():
         for fqn, p, std in todo:
-            p.copy_(_draw(fqn, seed, p.shape, std))
+            if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+                _draw_into(p, fqn, seed, std)  # same values, without a second copy in memory
+            else:
+                p.copy_(_draw(fqn, seed, p.shape, std))
 
 
 def _named_params_with_owner(module: nn.Module):
@@ -267,11 +270,21 @@ def _init_rule(owner: nn.Module, fqn: str) -> Optional[float]:
     return float(std)
 
 
+def _draw_into(p: torch.Tensor, fqn: str, seed: int, std: Optional[float]) -> None:
+    if std is None:
+        p.fill_(1.0)
+    else:
+        p.normal_(0.0, std, generator=_generator(fqn, seed))
+
+
+def _generator(fqn: str, seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{fqn}".encode()))
+
+
 def _draw(fqn: str, seed: int, shape: torch.Size, std: Optional[float]) -> torch.Tensor:
     if std is None:
         return torch.ones(shape)
-    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{fqn}".encode()))
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=_generator(fqn, seed))
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -66,12 +66,14 @@ def _wrap_big(rank, world, cfg):
 
 
 def test_a_model_larger_than_one_rank_holds_is_built_shard_by_shard():
-    """~300M parameters (1.2 GB fp32) over 4 ranks: no rank's peak memory comes near the whole."""
-    cfg = model_config("tiny", dim=1024, n_layers=20, n_heads=8, ffn_dim=2816, vocab_size=32000)
+    """~160M parameters (650 MB fp32) over 4 ranks: no rank's peak memory comes near the whole."""
+    cfg = model_config("tiny", dim=768, n_layers=16, n_heads=8, ffn_dim=2048, vocab_size=32000)
     full_bytes = 4 * sum(p.numel() for p in build_model(cfg, device="meta").parameters())
-    assert full_bytes > 1.1e9
+    assert full_bytes > 6e8
     fresh_ranks(4)  # peak RSS of a process only grows: measure in processes that did nothing else
     for r in run_distributed(_wrap_big, 4, cfg):
         # the shard, plus one unit materialised at a time (and its flat copy), plus allocator slack
         assert r["growth"] < r["shard_bytes"] + 3 * r["largest"] + 200e6
-        assert r["growth"] < 0.6 * full_bytes
+        assert r["growth"] < 0.6 * full_bytes, (r["growth"], full_bytes)
+        print(f"peak RSS growth {r['growth'] / 1e6:.0f} MB for a {full_bytes / 1e6:.0f} MB model "
+              f"(shard {r['shard_bytes'] / 1e6:.0f} MB)")
