@@ -8,7 +8,7 @@
 Why not `ray start --head` + `ray stop`: `ray stop` kills every Ray on the host, including another
 test's or the user's. This head runs as `ray start --head --block` in its own session (process
 group), every process of it carries RAY_AUTH_TOKEN_PATH=<its temp dir>/auth_token in its
-environment, and stopping it signals that group and then exactly the processes with that marker.
+environment or its temp dir on its command line, and stopping it signals exactly those.
 
 Token authentication (Ray 2.60): the head and every client get RAY_AUTH_MODE=token and
 RAY_AUTH_TOKEN_PATH pointing at a fresh token inside the head's temp dir, so the user's
@@ -41,7 +41,15 @@ SCRUBBED_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_
 # On Linux Ray replaces --node-ip-address 127.0.0.1 by the host's routable address; this switch
 # (meant for single-node macOS/Windows) makes every process of the cluster use loopback instead.
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray 2.60's `ray start --block` drains the node for up to 30 s on SIGTERM (for Serve); a test
+# head has nothing left to drain once its job is over, so it shuts down at once.
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 READY_LINE = "Ray runtime started"
+# Every port `ray start --head` would otherwise take at a fixed default (6379, 8265, 10001,
+# 52365) or pick itself: all chosen here, so two heads on one host never meet.
+PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+              "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+              "node-manager-port", "object-manager-port")
 WORKER_PORTS = 200  # job supervisor, driver, Train controller, workers and their restarts
 
 
@@ -67,7 +75,7 @@ class RayHead:
 
     def processes(self) -> list[int]:
         """Pids of every process of this head still running (driver and workers included)."""
-        return marked_processes(self.token_path)
+        return marked_processes(self.token_path, self.temp_dir)
 
     def session_dir(self) -> Path:
         """<temp_dir>/session_latest, resolved: logs, sockets, unpacked runtime envs."""
@@ -78,7 +86,7 @@ def auth_env(token_path: Path) -> dict[str, str]:
     """os.environ without other clusters' settings, with token auth on and this head's token."""
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
-               RAY_USAGE_STATS_ENABLED="0", **LOOPBACK_ONLY,
+               RAY_USAGE_STATS_ENABLED="0", **LOOPBACK_ONLY, **NO_DRAIN,
                PATH=os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")]))
     return env
 
@@ -91,10 +99,13 @@ def write_token(directory: Path) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the kernel says are free now (all bound at once, so no repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def free_port_range(size: int) -> tuple[int, int]:
@@ -136,8 +147,9 @@ def _read_until_ready(proc: subprocess.Popen, output: list[str], ready: threadin
     ready.set()
 
 
-def marked_processes(token_path: Path) -> list[int]:
-    """This head's pids: every process of it inherited RAY_AUTH_TOKEN_PATH=<its token>."""
+def marked_processes(token_path: Path, temp_dir: Path) -> list[int]:
+    """This head's pids: those that inherited RAY_AUTH_TOKEN_PATH=<its token> from the head, or
+    name its temp dir on their command line (Ray's own processes all do)."""
     marker = f"RAY_AUTH_TOKEN_PATH={token_path}".encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -145,10 +157,13 @@ def marked_processes(token_path: Path) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker in f.read().split(b"\0"):
-                    found.append(int(entry))
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
         except OSError:  # gone meanwhile, or another user's
             continue
+        if marker in environ or str(temp_dir) in cmdline:
+            found.append(int(entry))
     return found
 
 
@@ -190,10 +205,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 def start(temp_dir: Path, num_cpus: int, timeout: float) -> RayHead:
     token_path = write_token(temp_dir)
-    ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port",
-                                            "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                            "runtime-env-agent-port", "metrics-export-port",
-                                            "node-manager-port", "object-manager-port")}
+    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
     proc = subprocess.Popen(head_command(temp_dir, num_cpus, ports), env=auth_env(token_path),
                             cwd=temp_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -225,8 +237,9 @@ def stop(head: RayHead, grace: float = 30.0) -> None:
     head.killed = [describe(pid) for pid in stragglers]
     signal_all(stragglers, signal.SIGKILL)
     wait_gone(stragglers, grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(head.process.pid, signal.SIGKILL)  # its group: anything that hid its marker
+    if head.process.returncode is None:  # not reaped yet, so its group id is still its own
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.process.pid, signal.SIGKILL)  # anything that lost both markers
     with contextlib.suppress(subprocess.TimeoutExpired):
         head.process.wait(timeout=grace)
 

@@ -3,13 +3,13 @@
 deploy/README.md section 9, run for real: a Ray 2.60 head on loopback with token authentication
 on (its own temp dir, ports and token; tests/deploy/local_ray_head.py), the real entry point
 submitted with the `ray` CLI and the checkout uploaded through .rayignore, two CPU workers, a
-few steps. One job (~1 min here, most of it Ray start-up) backs every test below; the head is
-stopped, and only that head, before they look at what it left.
+few steps. One job backs every test below (1.5-2.5 min on this loaded 2-core machine, most of
+it Ray and worker start-up); the head is stopped, and only that head, before they look at what
+it left.
 """
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -29,7 +29,7 @@ RUN_NAME = "job-submit"
 STEPS = 4
 WORKERS = 2
 SUBMIT_TIMEOUT_S = 480  # generous: another test may run Ray on this 2-core machine meanwhile
-MAX_UPLOAD_MIB = 20  # the checkout without .venv/.git/runs is well under 1 MiB
+MAX_UPLOAD_MIB = 20  # the code is ~1 MiB; a venv or a run's checkpoints would be far more
 USER_TOKEN = Path.home() / ".ray" / "auth_token"
 
 
@@ -37,11 +37,12 @@ USER_TOKEN = Path.home() / ".ray" / "auth_token"
 class SubmittedJob:
     head: RayHead
     out: Path  # storage, prepared data, MLflow store and Hydra outputs of the job
-    returncode: int
+    returncode: int | None  # of `ray job submit`; None if it timed out
     output: str  # `ray job submit` stdout+stderr: the upload, then the job's own logs
     info: dict  # GET /api/jobs/<id> once the submit command returned
     http_status: dict[str, int]  # GET /api/jobs/ without, with a wrong, with the right token
     uploaded: set[str]  # top-level names of the working dir as the head unpacked it
+    uploaded_bytes: int
     user_token_before: tuple | None
     user_token_after: tuple | None = None
 
@@ -53,7 +54,7 @@ def train_overrides(out: Path) -> list[str]:
         "model.ffn_dim=128", "cluster.use_gpu=false", f"cluster.num_workers={WORKERS}",
         "cluster.cpus_per_worker=1", "cluster.max_failures=0", f"cluster.run_name={RUN_NAME}",
         f"cluster.storage_path={out}/runs", f"data.prepared_dir={out}/data",
-        "data.max_bytes=300000", "data.seq_len=64", f"tracking.tracking_uri={tracking_uri(out)}",
+        "data.max_bytes=50000", "data.seq_len=64", f"tracking.tracking_uri={tracking_uri(out)}",
         f"tracking.experiment={RUN_NAME}", f"train.steps={STEPS}", "train.checkpoint_every=2",
         "train.global_batch_size=4", "optim.warmup_steps=1", f"hydra.run.dir={out}/outputs",
     ]
@@ -89,28 +90,50 @@ def token_file_state() -> tuple | None:
     return st.st_size, st.st_mtime_ns
 
 
-def unpacked_working_dir(head: RayHead) -> set[str]:
-    """Top-level names of the uploaded package as the head unpacked it for the job."""
-    (pkg,) = [p for p in (head.session_dir() / "runtime_resources" / "working_dir_files").iterdir()
-              if p.is_dir()]
-    return {p.name for p in pkg.iterdir()}
+def unpacked_working_dir(head: RayHead) -> tuple[set[str], int]:
+    """The uploaded package as the head unpacked it for the job: its top-level names and its
+    bytes (the zip that crossed the wire was at most that; Ray keeps no copy of it)."""
+    unpacked = head.session_dir() / "runtime_resources" / "working_dir_files"
+    packages = [p for p in unpacked.iterdir() if p.is_dir()] if unpacked.is_dir() else []
+    if len(packages) != 1:
+        return {f"<{len(packages)} packages in {unpacked}>"}, 0
+    files = [f for f in packages[0].rglob("*") if f.is_file()]
+    return {p.name for p in packages[0].iterdir()}, sum(f.stat().st_size for f in files)
+
+
+def submit(head: RayHead, out: Path) -> tuple[int | None, str]:
+    """Run `ray job submit`; it tails the job's logs and returns once the job has ended.
+    (exit code, output); the exit code is None if it was still running after the timeout."""
+    try:
+        proc = subprocess.run(submit_command(head, out), env=head.client_env(), cwd=out,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=SUBMIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        output = e.stdout or b""  # bytes even with text=True
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        return None, output + f"\n<ray job submit still running after {SUBMIT_TIMEOUT_S}s>"
+    return proc.returncode, proc.stdout
+
+
+def job_info(head: RayHead) -> dict:
+    """The job as the head reports it (what `ray job status` prints), asked with the token."""
+    status, body = get(head, f"/api/jobs/{JOB_ID}", head.token)
+    if status != 200:
+        return {"status": f"HTTP {status}", "body": body.decode(errors="replace")}
+    return json.loads(body)
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> SubmittedJob:
+    """Start a head, submit the job, wait for it to end, stop the head; record what happened."""
     out = tmp_path_factory.mktemp("job_submit")
     before = token_file_state()
     with local_ray_head(num_cpus=3) as head:
-        http_status = {name: get(head, "/api/jobs/", token)[0]
-                       for name, token in (("none", None), ("wrong", "0" * 64), ("right", head.token))}
-        # Blocks while it tails the job's logs, until the job reaches a terminal state.
-        proc = subprocess.run(submit_command(head, out), env=head.client_env(), cwd=out,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=SUBMIT_TIMEOUT_S)
-        status, body = get(head, f"/api/jobs/{JOB_ID}", head.token)
-        assert status == 200, body
-        record = SubmittedJob(head, out, proc.returncode, proc.stdout, json.loads(body),
-                              http_status, unpacked_working_dir(head), before)
+        tokens = {"none": None, "wrong": "0" * 64, "right": head.token}
+        http_status = {name: get(head, "/api/jobs/", token)[0] for name, token in tokens.items()}
+        returncode, output = submit(head, out)
+        record = SubmittedJob(head, out, returncode, output, job_info(head), http_status,
+                              *unpacked_working_dir(head), before)
     record.user_token_after = token_file_state()
     return record
 
@@ -135,10 +158,9 @@ def test_head_refuses_clients_without_its_token_and_the_users_token_is_untouched
 
 
 def test_upload_is_the_code_only_and_small(job):
-    """.rayignore at work: the packager's own size report, and what reached the head."""
-    sizes = re.findall(r"Pushing file package 'gcs://_ray_pkg_\w+\.zip' \(([\d.]+)MiB\)", job.output)
-    assert len(sizes) == 1, job.output[:3000]
-    assert float(sizes[0]) < MAX_UPLOAD_MIB
+    """.rayignore at work on what reached the head. Ray 2.60 drops .git and .venv by itself; the
+    checkout's runs/ (and data/, outputs/, mlruns/ once a run made them) only .rayignore drops."""
+    assert job.uploaded_bytes < MAX_UPLOAD_MIB * 2**20, f"{job.uploaded_bytes / 2**20:.1f} MiB"
     assert {"cluster", "trainer", "conf", "pyproject.toml"} <= job.uploaded
     assert not job.uploaded & {".venv", ".git", "runs", "outputs", "multirun", "data", "mlruns",
                                "mlflow.db"}, sorted(job.uploaded)
@@ -152,9 +174,9 @@ def test_mlflow_has_the_finished_run_with_a_loss_per_step(job):
     params = run.data.params
     assert (params["cluster.num_workers"], params["train.steps"]) == (str(WORKERS), str(STEPS))
     assert params["train.checkpoint_dir"] == f"{job.out}/runs/{RUN_NAME}/checkpoints"
-    losses = client.get_metric_history(run.info.run_id, "train/loss")
-    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1)) or len(losses) == STEPS
-    assert all(m.value > 0 for m in losses)
+    losses = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [m.step for m in losses] == list(range(STEPS))
+    assert losses[-1].value < losses[0].value
 
 
 def test_both_ranks_wrote_their_shards_of_every_checkpoint(job):
