@@ -3,7 +3,9 @@
 The driver creates the run once (`create_run`) and passes its id to the workers; rank 0 attaches
 to it with `MLflowLogger` and every other rank gets a `NullLogger`, so the loop never asks
 "am I rank 0?" before logging. Workers never start a run of their own: a restarted worker group
-(elastic resize, failure) keeps logging into the same run, keyed by the global optimizer step.
+(elastic resize, failure) keeps logging into the same run, keyed by the global optimizer step, and
+skips the steps the run already holds (a resumed group retrains the steps after its checkpoint).
+A sweep's jobs are child runs of one parent (`create_sweep_run`, `create_run(parent_run_id=...)`).
 
     run_id = create_run(cfg, resolve_tracking_uri(cfg.tracking.tracking_uri, os.getcwd()))
     logger = MLflowLogger(tracking_uri, run_id)      # on rank 0, in the worker
@@ -11,7 +13,6 @@ to it with `MLflowLogger` and every other rank gets a `NullLogger`, so the loop 
 """
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import subprocess
@@ -67,6 +68,11 @@ class MLflowLogger:
 
     One `log_batch` call per `log_metrics` call: a step's metrics land together, and a crash loses
     nothing that was logged before it.
+
+    A worker group that restarts (failure, elastic resize) resumes from its last checkpoint and
+    trains again the steps logged after it, with other step times and, at another world size, a
+    loss that differs in the last bits. MLflow cannot replace a logged value, so each metric skips
+    the steps the run already holds when this logger first logs: one value per step, the first.
     """
 
     def __init__(self, tracking_uri: str, run_id: str):
@@ -75,12 +81,24 @@ class MLflowLogger:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self._client = MlflowClient(tracking_uri)
+        self._held: Optional[dict[str, int]] = None  # metric -> last step the run held at attach
+        self._told_skip = False
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        if self._held is None:
+            self._held = last_logged_steps(self._client, self.run_id)
+        step = int(step)
+        fresh = {k: v for k, v in metrics.items() if step > self._held.get(k, -1)}
+        if len(fresh) < len(metrics) and not self._told_skip:
+            self._told_skip = True
+            upto = max(self._held.get(k, -1) for k in metrics)
+            print(f"mlflow: steps {step}..{upto} are already "
+                  "in the run (logged before the restart); their retrained values are not logged "
+                  "again", flush=True)
         ts = int(time.time() * 1000)
-        batch = [Metric(key, _as_float(key, value), ts, int(step)) for key, value in metrics.items()]
+        batch = [Metric(key, _as_float(key, value), ts, step) for key, value in fresh.items()]
         for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
             self._client.log_batch(self.run_id, metrics=chunk)
 
@@ -103,6 +121,15 @@ class MLflowLogger:
 
     def close(self) -> None:
         """Nothing is buffered; the driver, not a worker, ends the run."""
+
+
+def last_logged_steps(client, run_id: str) -> dict[str, int]:
+    """{metric: largest step the run holds}, from one get_run (no history is read).
+
+    The run's latest metrics are kept per key at the largest step; MLflow's own system-metrics
+    monitor reads the step the same way (`Run.data._metric_objs`), there is no public accessor."""
+    run = client.get_run(run_id)
+    return {m.key: int(m.step) for m in getattr(run.data, "_metric_objs", [])}
 
 
 def _as_float(key: str, value) -> float:
@@ -142,14 +169,15 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def resolve_tracking_uri(uri: str, base_dir: str) -> str:
+def resolve_tracking_uri(uri: str, base_dir: str, use_env: bool = True) -> str:
     """The tracking URI every process uses, fixed at launch.
 
-    MLFLOW_TRACKING_URI in the environment wins over the config. A relative sqlite path or a bare
-    relative folder is made absolute against `base_dir` (the launch directory): MLflow resolves
-    them against the current directory, and Ray workers run in another one.
+    MLFLOW_TRACKING_URI in the environment wins over the config (unless use_env is False: an
+    explicit command-line URI). A relative sqlite path or a bare relative folder is made absolute
+    against `base_dir` (the launch directory): MLflow resolves them against the current
+    directory, and Ray workers run in another one.
     """
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or uri
+    uri = (os.environ.get("MLFLOW_TRACKING_URI") if use_env else None) or uri
     prefix = "sqlite:///"
     if uri.startswith(prefix):
         path = uri[len(prefix):]
@@ -162,22 +190,41 @@ def resolve_tracking_uri(uri: str, base_dir: str) -> str:
 
 
 def create_run(cfg: JobConfig, tracking_uri: str, parent_run_id: Optional[str] = None,
-               run_name: Optional[str] = None) -> str:
+               run_name: Optional[str] = None, tags: Optional[Mapping[str, object]] = None) -> str:
     """Create the job's MLflow run (driver side) and return its id.
 
     Params are the flattened resolved config; tags carry the git commit, sharding strategy, world
     size and device, so runs of a sweep can be filtered and compared. `parent_run_id` nests the
-    run under a sweep's parent run.
+    run under a sweep's parent run; `tags` are added to those.
     """
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     experiment_id = _experiment_id(client, cfg.tracking.experiment, artifact_root(tracking_uri))
-    tags = run_tags(cfg)
+    all_tags = {**run_tags(cfg), **{k: str(v) for k, v in (tags or {}).items()}}
     if parent_run_id:
-        tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(experiment_id, run_name=run_name or cfg.cluster.run_name, tags=tags)
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    run = client.create_run(experiment_id, run_name=run_name or cfg.cluster.run_name, tags=all_tags)
     MLflowLogger(tracking_uri, run.info.run_id).log_params(flatten(cfg))
+    return run.info.run_id
+
+
+def create_sweep_run(tracking_uri: str, experiment: str, run_name: str,
+                     params: Mapping[str, object], tags: Mapping[str, object]) -> str:
+    """Create a sweep's parent run (driver side): the jobs' runs name it in mlflow.parentRunId.
+
+    `params` are what every job of the sweep shares; the swept keys differ per child and are
+    left to the children. The git commit is tagged as on every run."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = _experiment_id(client, experiment, artifact_root(tracking_uri))
+    all_tags = {k: str(v) for k, v in tags.items()}
+    commit = git_commit()
+    if commit:
+        all_tags["mlflow.source.git.commit"] = commit
+    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+    MLflowLogger(tracking_uri, run.info.run_id).log_params(params)
     return run.info.run_id
 
 
@@ -237,6 +284,22 @@ def end_run(tracking_uri: str, run_id: str, ok: bool) -> None:
     from mlflow.tracking import MlflowClient
 
     MlflowClient(tracking_uri).set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+def start_system_metrics(tracking_uri: str, run_id: str, node_id: str,
+                         interval_s: float = 10.0):
+    """Sample this node's CPU, memory, disk, network (and NVIDIA GPUs when nvidia-ml-py is
+    installed) into the run as system/<node_id>/..., every interval_s, until `.finish()` or until
+    the run is no longer RUNNING. Call once per node (local rank 0), not once per worker.
+
+    MLflow's SystemMetricsMonitor (needs psutil) logs with its own sample counter as the step;
+    resume_logging continues that counter after a restart instead of logging step 0 again."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True,
+                                   node_id=node_id, tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

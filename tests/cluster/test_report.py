@@ -1,0 +1,157 @@
+"""cluster/report.py on a sqlite store filled with known metrics (no Ray): the numbers in the
+table, the files, the images, and which runs a target names. The report on a real sweep is in
+test_sweep.py."""
+from __future__ import annotations
+
+import csv
+import math
+
+import matplotlib.image
+import pytest
+from mlflow.tracking import MlflowClient
+
+from cluster.report import (PLOT_SIZE_PX, REPORT_FILES, RunSummary, find_runs, format_table, main,
+                            summarize, write_report)
+from trainer.config import JobConfig
+from trainer.metrics import MLflowLogger, create_run, create_sweep_run, end_run
+
+MiB = 2**20
+EXPERIMENT = "report-test"
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+STEPS = 5
+
+
+def log_job(store: str, parent: str, num: int, strategy: str) -> str:
+    """A finished child run whose metrics are known: job `num` is (num + 1) times job 0."""
+    cfg = JobConfig()
+    cfg.sharding.strategy, cfg.tracking.experiment = strategy, EXPERIMENT
+    run_id = create_run(cfg, store, parent_run_id=parent, run_name=f"sharding={strategy.lower()}",
+                        tags={"sweep.job": num})
+    logger = MLflowLogger(store, run_id)
+    k = num + 1
+    for step in range(STEPS):
+        warm = step == 0  # the first step is slow: the report must leave it out
+        logger.log_metrics({
+            "train/loss": 5.0 - 0.5 * step - 0.1 * num,
+            "perf/tokens_per_s": 1.0 if warm else 100.0 * k * step,
+            "perf/step_ms": 10_000.0 if warm else 10.0 * k * step,
+            "mem/peak_total_bytes": k * MiB * (step + 1) / STEPS,
+            "comm/total_bytes": 2.0 * k * MiB,
+        }, step=step)
+    end_run(store, run_id, ok=True)
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('report')}/mlflow.db"
+
+
+@pytest.fixture(scope="module")
+def sweeps(store):
+    """An older sweep of one job, then the sweep of three strategies; returns the newer parent."""
+    older = create_sweep_run(store, EXPERIMENT, "sweep old", {}, {"sweep.jobs": 1})
+    log_job(store, older, 0, "FULL_SHARD")
+    end_run(store, older, ok=True)
+    parent = create_sweep_run(store, EXPERIMENT, "sweep sharding=...", {"model.name": "tiny"},
+                              {"sweep.jobs": 3})
+    children = [log_job(store, parent, num, s) for num, s in enumerate(STRATEGIES)]
+    return parent, children
+
+
+def test_a_row_holds_medians_after_the_first_step_the_peak_and_the_last_loss(store, sweeps):
+    parent, children = sweeps
+    client = MlflowClient(store)
+    found_parent, runs = find_runs(client, parent)
+    assert found_parent.info.run_id == parent and [r.info.run_id for r in runs] == children
+    for num, run in enumerate(runs):
+        row = summarize(client, run)
+        k = num + 1
+        assert (row.name, row.strategy, row.world_size) == (f"sharding={STRATEGIES[num].lower()}",
+                                                            STRATEGIES[num], "2")
+        assert row.tokens_per_s == pytest.approx(250.0 * k)  # median of 100k..400k, step 0 left out
+        assert row.step_ms == pytest.approx(25.0 * k)
+        assert row.peak_memory_bytes == pytest.approx(k * MiB)
+        assert row.bytes_per_step == pytest.approx(2.0 * k * MiB)
+        assert row.final_loss == pytest.approx(5.0 - 0.5 * (STEPS - 1) - 0.1 * num)
+        assert [s for s, _ in row.loss_curve] == list(range(STEPS))
+        assert math.isnan(row.device_peak_bytes)  # CPU runs log no device memory
+
+
+def test_report_prints_the_table_writes_the_files_and_logs_them_to_the_parent(store, sweeps, tmp_path, capsys):
+    parent, _ = sweeps
+    report = write_report(store, parent, str(tmp_path / "out"))
+    printed = capsys.readouterr().out
+    assert report.table in printed
+    lines = report.table.splitlines()
+    assert lines[0].split()[:4] == ["run", "strategy", "world", "tokens/s"]
+    assert [line.split() for line in lines[2:]] == [
+        ["sharding=full_shard", "FULL_SHARD", "2", "250", "25.0", "1.00", "2.00", "3.0000", "FINISHED"],
+        ["sharding=shard_grad_op", "SHARD_GRAD_OP", "2", "500", "50.0", "2.00", "4.00", "2.9000", "FINISHED"],
+        ["sharding=no_shard", "NO_SHARD", "2", "750", "75.0", "3.00", "6.00", "2.8000", "FINISHED"],
+    ]
+    assert sorted(p.rsplit("/", 1)[1] for p in report.files) == sorted(REPORT_FILES)
+    with open(tmp_path / "out" / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["tokens_per_s"]) for r in rows] == [250.0, 500.0, 750.0]
+    logged = {a.path for a in MlflowClient(store).list_artifacts(parent, "report")}
+    assert logged == {f"report/{name}" for name in REPORT_FILES}
+
+
+def test_plots_are_real_images_of_the_documented_size(store, sweeps, tmp_path):
+    parent, _ = sweeps
+    write_report(store, parent, str(tmp_path))
+    for name in REPORT_FILES:
+        if not name.endswith(".png"):
+            continue
+        image = matplotlib.image.imread(tmp_path / name)
+        assert image.shape == (PLOT_SIZE_PX[1], PLOT_SIZE_PX[0], 4), name
+        rgb = image[..., :3].reshape(-1, 3)
+        colours = {tuple(c) for c in (rgb * 255).round().astype(int)[::7]}
+        assert len(colours) > 20, f"{name} looks blank ({len(colours)} colours)"
+
+
+def test_an_experiment_name_means_its_newest_sweep(store, sweeps):
+    parent, children = sweeps
+    found_parent, runs = find_runs(MlflowClient(store), EXPERIMENT)
+    assert found_parent.info.run_id == parent
+    assert [r.info.run_id for r in runs] == children
+
+
+def test_an_experiment_without_sweeps_is_reported_run_by_run(store, tmp_path):
+    cfg = JobConfig()
+    cfg.tracking.experiment = "plain-runs"
+    ids = [create_run(cfg, store) for _ in range(2)]
+    report = write_report(store, "plain-runs", str(tmp_path))
+    assert report.parent_run_id is None and [r.run_id for r in report.rows] == ids
+
+
+def test_a_run_without_children_is_refused(store, sweeps):
+    _, children = sweeps
+    with pytest.raises(ValueError, match="has no child runs"):
+        find_runs(MlflowClient(store), children[0])
+
+
+def test_an_unknown_target_is_an_error_naming_the_experiments_there(store, sweeps, capsys):
+    assert main(["no-such-thing", "--tracking-uri", store]) == 2
+    err = capsys.readouterr().err
+    assert "no run id or experiment named 'no-such-thing'" in err and EXPERIMENT in err
+
+
+def test_a_missing_store_is_an_error_and_is_not_created(tmp_path, capsys):
+    missing = tmp_path / "nothing.db"
+    assert main(["x", "--tracking-uri", f"sqlite:///{missing}"]) == 2
+    assert f"no MLflow store at {missing}" in capsys.readouterr().err
+    assert not missing.exists()
+
+
+def test_the_table_shows_device_memory_only_when_measured_and_a_dash_when_missing():
+    cpu = RunSummary("a", "cpu-run", "FINISHED", "FULL_SHARD", "2", 1000.0, 5.0, MiB, math.nan,
+                     math.nan, 3.0)
+    gpu = RunSummary("b", "gpu-run", "FAILED", "NO_SHARD", "8", 2000.0, 4.0, MiB, 10 * MiB, MiB, 2.5)
+    assert "device peak MiB" not in format_table([cpu])
+    table = format_table([cpu, gpu]).splitlines()
+    assert "device peak MiB" in table[0]
+    assert table[2].split() == ["cpu-run", "FULL_SHARD", "2", "1,000", "5.0", "1.00", "-", "-",
+                                "3.0000", "FINISHED"]
+    assert table[3].split()[6] == "10.0"
