@@ -1,0 +1,282 @@
+"""The memory planner against the engine, the ZeRO paper and a real CPU training step.
+
+- State terms (parameter, gradient and optimizer shards) equal the engine's accounting exactly, on
+  every rank, at world sizes 1, 2, 3 for each strategy; so do the bytes sent per step.
+- The ZeRO formulas give the paper's 120 / 31.4 / 16.6 / 1.9 GB, and our strategies' state maps
+  onto them (stage 3 exactly, stage 0 exactly, stage 2 up to our fp32 gradient shards).
+- The planned peak is within 15% of the measured peak of a real step (world size 2, gloo), for the
+  tiny model and a mid-size one (dim 512, 8 layers). Measured = the engine's persistent bytes
+  (exact, its own accounting) + the rise of the rank's resident memory from just before the second
+  step to its high-water mark during it (VmHWM, cleared first; with glibc's mmap threshold fixed at
+  64 KiB every larger tensor is its own mapping, returned to the OS when freed, so resident memory
+  follows the live tensors). That rise covers everything the step allocates: activations, autograd
+  temporaries, gathered parameters, unsharded gradients, optimizer temporaries, gloo's buffers.
+  The plan models NCCL, and gloo differs in one place: its reduce-scatter clones the input
+  (ProcessGroupGloo implements it as clone + all-reduce) and keeps the clone as long as the work
+  object, which the engine holds until backward ends, while the output's pages are first written
+  at the wait. That is why the plan reads up to ~10% low on the mid-size model at world size 2
+  (by hand it measured within 3% at world size 1, where nothing is communicated).
+- An 8B job that cannot fit on 8 x 80 GiB fails in seconds, with the breakdown and what would fit.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import resource
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from trainer.config import ConfigError, DataConfig, JobConfig, ShardingConfig, ShardingStrategy, TrainConfig
+from trainer.data import rank_range
+from trainer.fsdp import FSDPModel, build_mesh
+from trainer.model import build_model, count_params, init_parameters, loss_sum, model_config
+from trainer.plan import check_fits, plan, profile, recommend, zero_stage_bytes
+from trainer.plan.__main__ import main as plan_main
+
+GiB = 2**30
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+BIG = 2**50  # device memory for plans that only compare numbers
+# 3 blocks with sizes no world size of 2 or 3 divides (padding on every unit), as tests/fsdp uses.
+UNEVEN = model_config("tiny", dim=36, n_layers=3, n_heads=3, ffn_dim=100, vocab_size=259)
+MID = model_config("tiny", dim=512, n_layers=8, n_heads=8, ffn_dim=1376)
+
+
+def job(model=UNEVEN, global_batch=6, seq_len=16, micro_batches=1, **sharding) -> JobConfig:
+    return JobConfig(model=model, sharding=ShardingConfig(**sharding),
+                     train=TrainConfig(global_batch_size=global_batch, micro_batches=micro_batches),
+                     data=DataConfig(seq_len=seq_len))
+
+
+# ----------------------------------------------------------------------------- one real step per rank
+
+def _resident(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _train_two_steps(rank: int, world: int, cfg: JobConfig) -> dict:
+    """Two steps of the engine as trainer/loop.py runs them; figures of the second (steady) step."""
+    sh = cfg.sharding
+    mesh = build_mesh(ShardingStrategy.parse(sh.strategy), rank, world, sh.hybrid_shard_group_size, world)
+    fsdp = FSDPModel(build_model(cfg.model, device="meta"), sh, mesh, torch.device("cpu"),
+                     init_fn=lambda m, prefix: init_parameters(m, 0, prefix))
+    opt = torch.optim.AdamW(fsdp.param_groups(0.1), lr=1e-3, foreach=False)
+    b, t, micro = cfg.train.global_batch_size, cfg.data.seq_len, cfg.train.micro_batches
+    lo, hi = rank_range(b, world, rank)
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, t + 1), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        gc.collect()
+        fsdp.acct.reset_step()
+        before = _resident("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # restart the high-water mark from the current resident set
+        for k, rows in enumerate(np.array_split(np.arange(lo, hi), micro)):
+            weight = 1.0
+            if len(rows) == 0:  # as trainer.data.Batcher: a padding micro-batch of one sequence
+                rows, weight = np.array([0]), 0.0
+            with fsdp.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                s, _ = loss_sum(fsdp(tokens[rows, :-1]), tokens[rows, 1:], weight)
+                (s / (b * t)).backward()
+            del s
+        fsdp.clip_grad_norm_(1.0)
+        opt.step()
+        fsdp.zero_grad()
+        fsdp.update_optim_accounting(opt)
+        rise = _resident("VmHWM") - before
+    return dict(live=dict(fsdp.acct.live), peak=dict(fsdp.acct.peak), comm=dict(fsdp.acct.comm_bytes),
+                persistent=fsdp.acct.persistent_bytes(), rss_rise=rise)
+
+
+def _train_jobs(rank: int, world: int, jobs: list[JobConfig]) -> list[dict]:
+    """In a spawned rank: every tensor above 64 KiB gets its own mapping, returned to the OS when
+    freed (glibc's M_MMAP_THRESHOLD, fixed), so the resident set follows the live tensors."""
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    out = []
+    for cfg in jobs:
+        out.append(_train_two_steps(rank, world, cfg))
+        if world > 1:
+            dist.barrier()  # the next job's baseline is taken after every rank has finished this one
+    return out
+
+
+# ----------------------------------------------------------------------------- exact state and traffic
+
+def state_jobs(world: int) -> list[JobConfig]:
+    hybrid = 1 if world > 1 else 0  # world > 1: one rank per shard group, shards all-reduced across
+    return [job(strategy="FULL_SHARD"), job(strategy="SHARD_GRAD_OP"), job(strategy="NO_SHARD"),
+            job(strategy="HYBRID_SHARD", hybrid_shard_group_size=hybrid),
+            job(strategy="FULL_SHARD", param_dtype="bfloat16", reduce_dtype="bfloat16", micro_batches=2)]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    """One process group of 2 runs the state jobs and the jobs measured against the plan."""
+    results = run_distributed(_train_jobs, 2, state_jobs(2) + TOTAL_JOBS)
+    n = len(state_jobs(2))
+    return [r[:n] for r in results], results[0][n:]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
+def engine_state(request):
+    world = request.param
+    if world == 1:  # no collectives at all: run here, without spawning
+        ranks = [[_train_two_steps(0, 1, cfg) for cfg in state_jobs(1)]]
+    elif world == 2:
+        ranks = request.getfixturevalue("world2")[0]
+    else:
+        ranks = run_distributed(_train_jobs, world, state_jobs(world))
+    return world, state_jobs(world), ranks
+
+
+def test_state_terms_equal_the_engine_accounting_on_every_rank(engine_state):
+    world, jobs, ranks = engine_state
+    for cfg in jobs:
+        for rank, results in enumerate(ranks):
+            r = results[jobs.index(cfg)]
+            p = plan(cfg, world, BIG, local_world_size=world, rank=rank)
+            tag = f"world={world} rank={rank} {cfg.sharding.strategy}"
+            assert p.sharded_params == r["live"]["sharded_params"], tag
+            assert p.sharded_grads == r["live"]["sharded_grads"], tag
+            assert p.optim_state == r["live"]["optim_state"], tag
+            assert p.persistent == r["persistent"], tag
+
+
+def test_bytes_sent_per_step_equal_the_engine_accounting(engine_state):
+    world, jobs, ranks = engine_state
+    for cfg, r in zip(jobs, ranks[0]):
+        p = plan(cfg, world, BIG, local_world_size=world)
+        sent = {op: n for op, n in p.bytes_moved.items() if n}
+        assert sent == r["comm"], f"world={world} {cfg.sharding.strategy} micro={cfg.train.micro_batches}"
+
+
+def test_engine_buffers_stay_within_the_planned_schedule(engine_state):
+    """Unsharded gradients peak when backward ends (every reduction still holds its input): the plan
+    says exactly that much; gathered parameters never exceed the plan's bound."""
+    world, jobs, ranks = engine_state
+    for cfg, r in zip(jobs, ranks[0]):
+        p = plan(cfg, world, BIG, local_world_size=world)
+        tag = f"world={world} {cfg.sharding.strategy}"
+        if cfg.train.micro_batches == 1:
+            assert p.timeline.max_of("unsharded_grads") == r["peak"]["unsharded_grads"], tag
+        else:  # the plan adds the no_sync accumulators, which the engine does not account
+            assert p.timeline.max_of("unsharded_grads") >= r["peak"]["unsharded_grads"], tag
+        assert r["peak"]["gathered_params"] <= p.timeline.max_of("gathered_params"), tag
+
+
+# ----------------------------------------------------------------------------- ZeRO
+
+def test_zero_formula_gives_the_papers_figures_for_7_5b_on_64_devices():
+    figures = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in figures.items():
+        assert zero_stage_bytes(7_500_000_000, 64, stage) / 1e9 == pytest.approx(gb, abs=0.05), stage
+
+
+def test_our_strategies_state_maps_onto_the_zero_stages():
+    """A ~7.5B model (8B shapes, 30 layers), bf16 compute, fp32 master and AdamW, 64 workers."""
+    model = model_config("8b", n_layers=30)
+    psi, n = count_params(model), 64
+    cfg = job(model=model, global_batch=64, seq_len=128, param_dtype="bfloat16")
+
+    def state(strategy, **kw):
+        sh = dataclasses.replace(cfg.sharding, strategy=strategy, **kw)
+        return plan(dataclasses.replace(cfg, sharding=sh), n, BIG)
+
+    padding = 16 * n * (model.n_layers + 1)  # < n elements per unit, 16 bytes each
+    assert state("NO_SHARD").persistent == zero_stage_bytes(psi, n, 0)  # 16 psi, no padding at all
+    assert abs(state("FULL_SHARD").persistent - zero_stage_bytes(psi, n, 3)) <= padding
+    assert abs(state("HYBRID_SHARD").persistent - zero_stage_bytes(psi, 8, 3)) <= padding  # 8 per node
+    sgo = state("SHARD_GRAD_OP")
+    during_backward = sgo.persistent + sgo.timeline.max_of("gathered_params")
+    assert abs(during_backward - zero_stage_bytes(psi, n, 2) - 2 * psi / n) <= padding  # fp32 grad shards
+
+
+# ----------------------------------------------------------------------------- against a real step
+
+TOTAL_JOBS = [
+    job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="FULL_SHARD"),
+    job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="SHARD_GRAD_OP"),
+    job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="NO_SHARD"),
+    job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="FULL_SHARD", param_dtype="bfloat16",
+        activation_checkpointing=True),
+    job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="FULL_SHARD", micro_batches=2),
+    job(model=MID, global_batch=2, seq_len=128, strategy="FULL_SHARD"),
+    job(model=MID, global_batch=2, seq_len=128, strategy="SHARD_GRAD_OP", param_dtype="bfloat16",
+        activation_checkpointing=True),
+]
+
+
+def test_planned_peak_is_within_15_percent_of_a_real_cpu_step(world2):
+    results = world2[1]
+    report, failures = [], []
+    for cfg, r in zip(TOTAL_JOBS, results):
+        p = plan(cfg, 2, BIG, local_world_size=2)
+        measured = r["persistent"] + r["rss_rise"]
+        ratio = p.total / measured
+        line = (f"{cfg.model.dim}x{cfg.model.n_layers} {cfg.sharding.strategy} {cfg.sharding.param_dtype} "
+                f"ckpt={cfg.sharding.activation_checkpointing} micro={cfg.train.micro_batches}: planned "
+                f"{p.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {ratio:.3f}")
+        report.append(line)
+        if not 0.85 <= ratio <= 1.15:
+            failures.append(line)
+    print("\n".join(report))
+    assert not failures, "\n".join(failures)
+
+
+def test_checkpointing_keeps_only_each_blocks_input():
+    without = profile(MID, 2, 128, "float32", False).block
+    with_ckpt = profile(MID, 2, 128, "float32", True).block
+    assert with_ckpt.retained == pytest.approx(without.io_bytes, rel=0.05)
+    assert without.retained > 8 * without.io_bytes  # attention, FFN and norm inputs per block
+    assert with_ckpt.backward_peak > without.retained  # the recompute happens in backward
+
+
+# ----------------------------------------------------------------------------- fail fast, recommend
+
+EIGHT_B = job(model=model_config("8b"), global_batch=64, seq_len=4096, strategy="FULL_SHARD",
+              param_dtype="bfloat16")
+
+
+def test_8b_that_cannot_fit_on_8_gpus_fails_fast_with_the_breakdown():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        check_fits(EIGHT_B, 8, 80 * GiB)
+    elapsed = time.perf_counter() - start
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    msg = str(err.value)
+    assert msg.startswith("invalid config: sharding.strategy=FULL_SHARD")
+    for row in ("sharded parameters", "optimizer state", "gathered parameters", "unsharded gradients",
+                "activations: blocks", "activations: embedding, logits, loss", "DOES NOT FIT"):
+        assert row in msg, row
+    assert "recommended: FULL_SHARD with activation checkpointing" in msg
+    assert elapsed < 60 and grown < 2 * GiB, (elapsed, grown)  # planned, never allocated (8B is 128 GB)
+
+
+def test_recommendations_fit_and_come_fewest_bytes_first():
+    cfg = dataclasses.replace(EIGHT_B, train=TrainConfig(global_batch_size=64, micro_batches=8))
+    options = recommend(cfg, 64, 80 * GiB)
+    assert options and all(o.fits for o in options)
+    moved = [o.total_bytes_moved for o in options]
+    assert moved == sorted(moved)
+    assert options[0].strategy == "SHARD_GRAD_OP"  # ~2x params on the wire against FULL_SHARD's ~3x
+
+
+def test_cli_prints_the_plan_and_exits_by_whether_it_fits(capsys):
+    args = ["model=tiny", "sharding=full_shard", "cluster.num_workers=4"]
+    assert plan_main(args + ["device_memory_gb=80"]) == 0
+    out = capsys.readouterr().out
+    assert "FULL_SHARD on 4 workers" in out and "fits" in out and "recommended: " in out
+    assert plan_main(args + ["device_memory_gb=0.01"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert plan_main(args + ["sharding.strategy=ZERO9"]) == 2
+    assert "sharding.strategy" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""Print the memory plan and the recommendation for a training config, before renting the GPUs.
+
+    python -m trainer.plan model=8b sharding=full_shard cluster.num_workers=64 device_memory_gb=80
+    python -m trainer.plan model=8b cluster=ray train.global_batch_size=512 data.seq_len=4096 \\
+        sharding.param_dtype=bfloat16 train.micro_batches=8 local_world_size=8
+
+The arguments are the training job's Hydra overrides (conf/), plus two keys of the planner's own:
+device_memory_gb (GiB per device, default 80) and local_world_size (workers per node, the default
+HYBRID_SHARD group, default 8). An elastic job (cluster.min_workers/max_workers) is planned at both
+ends. Exit status 0 when the configured job fits at every world size it may have, 1 when not,
+2 for an invalid config.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from trainer.config import ConfigError, JobConfig
+
+from .planner import GiB, plan, recommend
+from .report import format_recommendation
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+SCHEMA_NAME = "job_schema"  # conf/config.yaml lists it first in its defaults (as cluster/train.py registers it)
+PLAN_KEYS = {"device_memory_gb": 80.0, "local_world_size": 8}
+
+
+def split_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """(the planner's own keys, the Hydra overrides)."""
+    own, overrides = dict(PLAN_KEYS), []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in PLAN_KEYS:
+            try:
+                own[key] = type(PLAN_KEYS[key])(value)
+            except ValueError:
+                raise ConfigError(f"invalid config: {key}={value!r}; valid: a positive number") from None
+            if own[key] <= 0:
+                raise ConfigError(f"invalid config: {key}={value!r}; valid: a positive number")
+        else:
+            overrides.append(arg)
+    return own, overrides
+
+
+def compose_job(overrides: list[str]) -> JobConfig:
+    """The same typed, validated JobConfig training gets from these overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=JobConfig)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        dictcfg = compose(config_name="config", overrides=overrides)
+    job = OmegaConf.to_object(dictcfg)
+    if not isinstance(job, JobConfig):
+        raise ConfigError(f"invalid config: {CONF_DIR}/config.yaml does not list '{SCHEMA_NAME}' in its defaults")
+    return job.validate()
+
+
+def main(argv: list[str]) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    try:
+        own, overrides = split_args(argv)
+        cfg = compose_job(overrides)
+    except (ConfigError, OmegaConfBaseException, HydraException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    device = int(own["device_memory_gb"] * GiB)
+    local = own["local_world_size"]
+    ok = True
+    for world in sorted(set(cfg.cluster.world_sizes)):
+        try:
+            p = plan(cfg, world, device, local)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(p.table())
+        print()
+        print(format_recommendation(recommend(cfg, world, device, local), p))
+        print()
+        ok = ok and p.fits
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

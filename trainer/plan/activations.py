@@ -1,0 +1,207 @@
+"""Activation memory, measured: one block and the root traced on fake tensors, nothing allocated.
+
+The trace runs the model's real forward and backward code under FakeTensorMode (shapes, dtypes and
+kernel choices without data), on modules the engine itself wrapped (trainer/plan/layout.py), so
+parameters are views of one flat compute-dtype tensor per unit exactly as in training, and with
+activation checkpointing the block's forward is the engine's checkpointed one. A dispatch-mode
+tracker counts every storage an op allocates and frees it when the storage dies, so it sees what
+autograd saves for backward AND the temporaries in between (the logits' fp32 copy, the gradient of
+the log-probabilities, the per-parameter gradients before they are concatenated into the flat one).
+
+Measured once per (model, micro-batch shape, compute dtype, checkpointing), for:
+  block: bytes one block leaves alive for backward, the peak of its forward, the peak of its
+         backward above the level it starts from (with checkpointing: the recompute);
+  root:  the embedding, final norm, output projection and loss: forward peak, what the head
+         leaves for backward, the peak of the head's backward, what is still alive when the head's
+         backward is done (the incoming gradient and the head's parameter gradients, which wait for
+         the embedding's before the root's flat gradient exists) and the embedding backward's peak.
+trainer/plan/timeline.py composes them over n blocks.
+
+Fake tensors take their kernels from the CPU: scaled_dot_product_attention picks the CPU flash
+kernel, which saves the output and the log-sum-exp (O(T)), as the CUDA flash and memory-efficient
+kernels do. CUDA's own workspaces (cuBLAS, NCCL) are not seen.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
+from trainer.fsdp.engine import DTYPES
+from trainer.model import loss_sum
+
+from .layout import meta_engine, virtual_mesh
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    retained: int
+    """Bytes one block keeps alive from its forward to its backward, in a chain of blocks: what
+    autograd saved (its input included if saved), not its output (the next block's input)."""
+    forward_peak: int
+    """Peak above the level before its forward (its input included)."""
+    backward_peak: int
+    """Peak of its backward above the level where it starts (own saved tensors, incoming grad)."""
+    io_bytes: int
+    """One [rows, seq, dim] tensor in the compute dtype (block input, output, gradient)."""
+
+
+@dataclass(frozen=True)
+class RootProfile:
+    forward_peak: int
+    """Peak of the embedding + head forward (the head's input included): logits, fp32 copy, log-probs."""
+    retained: int
+    """What the head leaves for backward (its input if saved, the fp32 log-probabilities, the loss)."""
+    head_backward_peak: int
+    """Peak of the loss + head backward."""
+    after_head: int
+    """Alive when the head's backward is done: the gradient entering the last block and the head's
+    parameter gradients (held until the embedding's gradient completes the root's flat gradient)."""
+    embedding_backward_peak: int
+    """Peak of the embedding backward: its dense gradient and the root's flat gradient."""
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    rows: int
+    seq_len: int
+    block: BlockProfile
+    root: RootProfile
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Live bytes of the storages ops allocate; a storage is freed when its last tensor dies.
+
+    An output sharing a storage with an input (views, in-place ops) allocates nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+        for t in tree_flatten(out)[0]:
+            if torch.is_tensor(t):
+                self._track(t.untyped_storage(), inputs)
+        return out
+
+    def _track(self, storage, inputs: set[int]) -> None:
+        key = storage._cdata
+        if key in inputs or key in self.live:
+            return
+        self.live[key] = storage.nbytes()
+        self.current += self.live[key]
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
+
+    def restart_peak(self) -> int:
+        """The peak since the last restart; the next one starts from the current level."""
+        peak, self.peak = self.peak, self.current
+        return peak
+
+
+def profile(model: ModelConfig, rows: int, seq_len: int, param_dtype: str, checkpointing: bool) -> ActivationProfile:
+    """Measure one block and the root for micro-batches of `rows` sequences of `seq_len` tokens."""
+    key = tuple(sorted(dataclasses.asdict(model).items()))
+    return _profile(key, rows, seq_len, param_dtype, checkpointing)
+
+
+@lru_cache(maxsize=32)
+def _profile(model_key, rows: int, seq_len: int, param_dtype: str, checkpointing: bool) -> ActivationProfile:
+    model = ModelConfig(**dict(model_key))
+    sharding = ShardingConfig(strategy="NO_SHARD", param_dtype=param_dtype, activation_checkpointing=checkpointing)
+    fsdp = meta_engine(model, sharding, virtual_mesh(ShardingStrategy.NO_SHARD, 0, 1, 0, 1))
+    dtype = DTYPES[param_dtype]
+    with FakeTensorMode():
+        _warm_rotary(fsdp.units[0].module, seq_len, dtype)
+        block = _trace_block(fsdp.units[0], rows, seq_len, model.dim, dtype)
+        root = _trace_root(fsdp, rows, seq_len, dtype)
+    return ActivationProfile(rows, seq_len, block, root)
+
+
+def _bind_flat_views(unit, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Give the unit's modules their parameters as views of one flat tensor per FlatParameter, as
+    FSDPUnit.use_views does; the flat gradient is dropped when complete (the engine hands it to the
+    reduction, which trainer/plan/timeline.py accounts for)."""
+    fulls = []
+    for flat in unit.flats:
+        full = torch.empty(flat.padded_numel, dtype=dtype, requires_grad=flat.requires_grad)
+        if flat.requires_grad:
+            full.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+        for info, view in zip(flat.infos, flat.split_views(full)):
+            setattr(unit.owners[info.module_name], info.attr, view)
+        fulls.append(full)
+    return fulls
+
+
+def _warm_rotary(block: torch.nn.Module, seq_len: int, dtype: torch.dtype) -> None:
+    """The rotary tables are a small cache computed once per run; keep them out of the measurement."""
+    block.attention.rotary.tables(seq_len, torch.device("cpu"), dtype)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _trace_block(unit, rows: int, seq_len: int, dim: int, dtype: torch.dtype) -> BlockProfile:
+    fulls = _bind_flat_views(unit, dtype)
+    x_leaf = torch.empty(rows, seq_len, dim, dtype=dtype, requires_grad=True)
+    tracker = AllocationTracker()
+    with tracker:
+        x = x_leaf * 1  # a non-leaf input: it stays alive only if the block saves it
+        before = tracker.current - _nbytes(x)
+        tracker.restart_peak()
+        y = unit.module.forward(x)  # the engine's forward: checkpointed when configured
+        forward_peak = tracker.restart_peak() - before
+        del x
+        retained = tracker.current - before - _nbytes(y)
+        dy = torch.empty_like(y)
+        start = tracker.current
+        tracker.restart_peak()
+        y.backward(dy)
+        backward_peak = tracker.restart_peak() - start
+    del fulls
+    return BlockProfile(retained, forward_peak, backward_peak, _nbytes(y))
+
+
+def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype) -> RootProfile:
+    """The model's own forward with no blocks: embedding -> norm -> output, then loss_sum."""
+    model = fsdp.module
+    model.layers = torch.nn.ModuleList()
+    fulls = _bind_flat_views(fsdp.root, dtype)
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+    targets = torch.zeros(rows, seq_len, dtype=torch.long)
+    marks: dict[str, int] = {}
+    tracker = AllocationTracker()
+
+    def at_head_end(grad):  # the gradient reaching the embedding output: the head's backward is done
+        marks.update(peak=tracker.restart_peak(), after=tracker.current)
+
+    def mark_embedding_output(module, args, out) -> None:
+        out.register_hook(at_head_end)
+
+    model.tok_embeddings.register_forward_hook(mark_embedding_output)
+    with tracker:
+        logits = model.forward(tokens)  # not model(...): that would run the engine's hooks
+        s, _ = loss_sum(logits, targets)
+        loss = s / (rows * seq_len)
+        del logits, s  # the training step holds only the loss from here
+        forward_peak = tracker.restart_peak()
+        retained = tracker.current
+        loss.backward()
+        embedding_peak = tracker.restart_peak()
+    del fulls
+    return RootProfile(forward_peak, retained, marks["peak"], marks["after"], embedding_peak)

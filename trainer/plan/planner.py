@@ -1,0 +1,171 @@
+"""plan / recommend / check_fits: one worker's memory for a job at a world size, and the choice.
+
+    from trainer.plan import plan, recommend, check_fits
+    p = plan(cfg, world_size=64, device_memory_bytes=80 * 2**30)
+    print(p.table())
+    best = recommend(cfg, 64, 80 * 2**30)[0]     # fits, moves the fewest bytes
+    check_fits(cfg, 8, 80 * 2**30)              # ConfigError with the breakdown if it cannot fit
+
+The state terms are the engine's own (layout.py), activations are measured on fake tensors
+(activations.py), the step's phases follow the engine's schedule (timeline.py) and the bytes on
+the wire replay its accounting (traffic.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from trainer.config import ConfigError, JobConfig, ShardingStrategy
+from trainer.data import rank_range
+
+from .activations import profile
+from .layout import layout, mesh_shape
+from .timeline import Phase, StepTimeline, step_timeline
+from .traffic import bytes_per_step
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One worker (rank 0: it holds the most rows and the most optimizer state) for one step."""
+
+    model: str
+    num_params: int
+    num_units: int
+    strategy: str
+    world_size: int
+    shard_size: int
+    replicate_size: int
+    param_dtype: str
+    reduce_dtype: str
+    activation_checkpointing: bool
+    rows: int
+    """Sequences in this worker's largest micro-batch."""
+    seq_len: int
+    micro_batches: int
+    sharded_params: int
+    sharded_grads: int
+    optim_state: int
+    timeline: StepTimeline
+    activations_without_checkpointing: int
+    """Peak of activation memory alone (blocks + root) over the step, without checkpointing."""
+    activations_with_checkpointing: int
+    bytes_moved: dict
+    """Bytes this worker sends per step, by collective (all_gather, reduce_scatter, all_reduce)."""
+    device_memory_bytes: int
+
+    @property
+    def persistent(self) -> int:
+        return self.sharded_params + self.sharded_grads + self.optim_state
+
+    @property
+    def peak_phase(self) -> Phase:
+        return self.timeline.peak_phase
+
+    @property
+    def total(self) -> int:
+        """Peak bytes of the step: persistent state + everything alive in the largest phase."""
+        return self.timeline.peak
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_memory_bytes
+
+    @property
+    def total_bytes_moved(self) -> int:
+        return sum(self.bytes_moved.values())
+
+    def label(self) -> str:
+        ckpt = "with" if self.activation_checkpointing else "without"
+        return f"{self.strategy} {ckpt} activation checkpointing"
+
+    def table(self) -> str:
+        from .report import format_plan
+
+        return format_plan(self)
+
+
+def rows_per_micro_batch(global_batch: int, world_size: int, micro_batches: int, rank: int = 0) -> int:
+    """Sequences in `rank`'s largest micro-batch, as trainer.data.Batcher splits a step: the rank's
+    share (rank 0 takes one more when uneven) by np.array_split; an empty split runs one sequence."""
+    lo, hi = rank_range(global_batch, world_size, rank)
+    return max(1, math.ceil((hi - lo) / micro_batches))
+
+
+def plan(cfg: JobConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8,
+         rank: int = 0) -> MemoryPlan:
+    """Per-worker memory of `cfg` on `world_size` workers of `device_memory_bytes` each.
+
+    local_world_size is the number of workers per node (HYBRID_SHARD's default shard group)."""
+    if world_size < 1:
+        raise ConfigError(f"invalid config: world size {world_size}; valid: a positive integer")
+    sh, model = cfg.sharding, cfg.model
+    micro = cfg.train.micro_batches
+    rows = rows_per_micro_batch(cfg.train.global_batch_size, world_size, micro, rank)
+    lay = layout(model, sh, world_size, local_world_size, rank)
+    acts = {ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac) for ac in (False, True)}
+    timelines = {ac: step_timeline(lay, sh, a, micro) for ac, a in acts.items()}
+    timeline = timelines[bool(sh.activation_checkpointing)]
+    return MemoryPlan(
+        model=model.name, num_params=lay.num_params, num_units=len(lay.units),
+        strategy=lay.strategy.value, world_size=world_size, shard_size=lay.shard_size,
+        replicate_size=lay.replicate_size, param_dtype=sh.param_dtype, reduce_dtype=sh.reduce_dtype,
+        activation_checkpointing=bool(sh.activation_checkpointing), rows=rows, seq_len=cfg.data.seq_len,
+        micro_batches=micro, sharded_params=lay.sharded_params, sharded_grads=lay.sharded_grads,
+        optim_state=lay.optim_state, timeline=timeline,
+        activations_without_checkpointing=_activation_peak(timelines[False]),
+        activations_with_checkpointing=_activation_peak(timelines[True]),
+        bytes_moved=bytes_per_step(lay, sh, micro), device_memory_bytes=int(device_memory_bytes))
+
+
+def _activation_peak(t: StepTimeline) -> int:
+    return max(p.block_activations + p.root_activations for p in t.phases)
+
+
+def candidates(cfg: JobConfig, world_size: int, device_memory_bytes: int,
+               local_world_size: int = 8) -> list[MemoryPlan]:
+    """Every strategy x activation checkpointing at this world size, dtypes as configured."""
+    out = []
+    for strategy in _strategies(cfg, world_size, local_world_size):
+        for ac in (False, True):
+            sharding = dataclasses.replace(cfg.sharding, strategy=strategy.value, activation_checkpointing=ac)
+            out.append(plan(dataclasses.replace(cfg, sharding=sharding), world_size, device_memory_bytes,
+                            local_world_size))
+    return out
+
+
+def _strategies(cfg: JobConfig, world_size: int, local_world_size: int) -> list[ShardingStrategy]:
+    """HYBRID_SHARD only where it differs from the others: 1 < shard group < world size."""
+    out = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+    try:
+        shard, _ = mesh_shape(ShardingStrategy.HYBRID_SHARD, world_size,
+                              cfg.sharding.hybrid_shard_group_size, local_world_size)
+    except ConfigError:
+        return out
+    return out + [ShardingStrategy.HYBRID_SHARD] if 1 < shard < world_size else out
+
+
+def recommend(cfg: JobConfig, world_size: int, device_memory_bytes: int,
+              local_world_size: int = 8) -> list[MemoryPlan]:
+    """The options that fit, fewest bytes moved per step first; among equals, no recomputation
+    (checkpointing off) first, then the least memory. Empty when nothing fits."""
+    fitting = [p for p in candidates(cfg, world_size, device_memory_bytes, local_world_size) if p.fits]
+    return sorted(fitting, key=lambda p: (p.total_bytes_moved, p.activation_checkpointing, p.total))
+
+
+def check_fits(cfg: JobConfig, world_size: int, device_memory_bytes: int,
+               local_world_size: int = 8) -> MemoryPlan:
+    """The plan, or ConfigError with the breakdown and what would fit: call before workers start."""
+    p = plan(cfg, world_size, device_memory_bytes, local_world_size)
+    if p.fits:
+        return p
+    from .report import format_recommendation
+
+    options = recommend(cfg, world_size, device_memory_bytes, local_world_size)
+    raise ConfigError(
+        f"invalid config: sharding.strategy={p.strategy} with sharding.activation_checkpointing="
+        f"{p.activation_checkpointing} on {world_size} workers needs {p.total / GiB:.2f} GiB per worker, "
+        f"more than the device's {device_memory_bytes / GiB:.2f} GiB; valid: a configuration that fits.\n\n"
+        f"{p.table()}\n\n{format_recommendation(options, p)}")

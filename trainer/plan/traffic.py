@@ -1,0 +1,47 @@
+"""Bytes one worker sends per optimizer step, by collective, under the engine's own convention.
+
+The engine's Accounting.record_comm is replayed for each collective the schedule issues, so the
+numbers are the ones a training step reports (ring algorithms: an all-gather of T output bytes or
+a reduce-scatter of T input bytes over N ranks moves T(N-1)/N; an all-reduce twice that).
+
+Per micro-batch: FULL_SHARD / HYBRID_SHARD gather every unit in forward and every block again in
+backward (the root stays gathered); SHARD_GRAD_OP gathers every unit once; NO_SHARD gathers
+nothing. Once per step, on the last micro-batch: a reduce-scatter of every flat gradient inside the
+shard group, then (HYBRID_SHARD) an all-reduce of the shard across replicas; NO_SHARD all-reduces
+the whole gradient.
+"""
+from __future__ import annotations
+
+from trainer.config import ShardingConfig, ShardingStrategy
+from trainer.fsdp.accounting import Accounting
+
+from .layout import DTYPE_BYTES, Layout, UnitLayout
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def bytes_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) -> dict[str, int]:
+    acct = Accounting()
+    p, r = DTYPE_BYTES[sharding.param_dtype], DTYPE_BYTES[sharding.reduce_dtype]
+    for _ in range(micro_batches):
+        for unit in _gathered_per_micro_batch(lay):
+            for padded in unit.padded:
+                acct.record_comm("all_gather", padded * p, lay.shard_size)
+    for unit in lay.units:
+        for padded, shard, trainable in zip(unit.padded, unit.shard, unit.trainable):
+            if not trainable:
+                continue
+            if lay.shard_size > 1:
+                acct.record_comm("reduce_scatter", padded * r, lay.shard_size)
+                acct.record_comm("all_reduce", shard * r, lay.replicate_size)
+            else:
+                acct.record_comm("all_reduce", padded * r, lay.replicate_size)
+    return {op: acct.comm_bytes.get(op, 0) for op in OPS}
+
+
+def _gathered_per_micro_batch(lay: Layout) -> list[UnitLayout]:
+    if lay.shard_size == 1:
+        return []  # the compute copy is a local cast: nothing on the wire
+    if lay.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
+        return [*lay.units, *lay.blocks]
+    return list(lay.units)
