@@ -107,6 +107,9 @@ class ShardingConfig:
     """Issue the previous unit's all-gather before the current unit's backward."""
     max_gathers_in_flight: int = 2
     """Bound on all-gathers issued but not yet consumed (caps gathered-parameter memory)."""
+    max_reductions_in_flight: int = 2
+    """Bound on gradient reductions issued but not yet folded into the fp32 gradient shards: the
+    oldest is waited for when a newer one is issued, so unsharded gradients never pile up."""
     hybrid_shard_group_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
     trace: bool = False
@@ -119,6 +122,8 @@ class ShardingConfig:
                 _fail(f"sharding.{key}", getattr(self, key), ", ".join(DTYPES))
         if not isinstance(self.max_gathers_in_flight, int) or self.max_gathers_in_flight < 1:
             _fail("sharding.max_gathers_in_flight", self.max_gathers_in_flight, "an integer >= 1")
+        if not isinstance(self.max_reductions_in_flight, int) or self.max_reductions_in_flight < 1:
+            _fail("sharding.max_reductions_in_flight", self.max_reductions_in_flight, "an integer >= 1")
         if self.hybrid_shard_group_size < 0:
             _fail("sharding.hybrid_shard_group_size", self.hybrid_shard_group_size,
                   "0 (ranks per node) or a positive divisor of the world size")

@@ -111,3 +111,11 @@ def test_bytes_per_step_follow_the_strategy_formulas(accounted):
     assert sum(nos["acct"][-1]["comm"].values()) == pytest.approx(2 * 4 * _flat_sizes(nos)[0] * frac, rel=1e-6)
     bf16 = by[("FULL_SHARD", "bfloat16")]["acct"][-1]["comm"]
     assert bf16["all_gather"] == pytest.approx(comm["all_gather"] / 2, rel=1e-6)
+
+
+def test_unsharded_gradients_never_pile_up_past_the_reduction_bound():
+    r = run_distributed(_run_traced, 2, dict(strategy="FULL_SHARD", max_reductions_in_flight=1))[0]
+    padded, _, _ = _flat_sizes(r)
+    peak = max(a["peak"].get("unsharded_grads", 0) for a in r["acct"])
+    # one pending plus the one being issued, in fp32; never the whole model's gradient
+    assert 0 < peak <= 2 * r["largest_unit"] < 4 * padded

@@ -34,6 +34,7 @@ class Handle:
             return
         if self._work is not None:
             self._work.wait()
+            self._work = None  # gloo's work object holds a copy of the input until it dies
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
         self._keep = ()

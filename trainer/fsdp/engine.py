@@ -18,6 +18,7 @@ The number of units holding unsharded parameters, other than the one computing, 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from typing import Callable, Iterator, Optional
@@ -61,8 +62,8 @@ class FSDPModel(torch.nn.Module):
         self.root = self._make_unit(ROOT, model, names, init_fn, exclude=unit_modules)
         self._order: list[FSDPUnit] = []  # forward execution order of the non-root units
         self._order_known = False
-        self._pending: list[tuple[FSDPUnit, int, torch.Tensor, Optional[Handle]]] = []
-        self._grads_zero = True
+        # Reductions issued and not yet folded into the gradient shards, oldest first.
+        self._pending: collections.deque = collections.deque()
         self._in_backward = False
         self._install_hooks()
         if cfg.activation_checkpointing:
@@ -151,7 +152,7 @@ class FSDPModel(torch.nn.Module):
         for flat in self.flats():
             if flat.grad is not None:
                 flat.grad.zero_()
-        self._grads_zero = True
+            flat.grad_is_zero = True
 
     # ---- hooks --------------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -253,7 +254,10 @@ class FSDPModel(torch.nn.Module):
 
     # ---- gradient reduction ---------------------------------------------------------------
     def _on_grad_ready(self, u: FSDPUnit, i: int, g: torch.Tensor) -> None:
-        """Launch the reduction of flat i of unit u (asynchronous; waited in _finish_backward)."""
+        """Launch the reduction of flat i of unit u; fold in the oldest pending one past the bound.
+
+        Invariant: at most max_reductions_in_flight unsharded gradients are alive after this call
+        (one more while the newest is issued), whatever the depth of the model."""
         g = g if g.dtype == self.reduce_dtype else g.to(self.reduce_dtype)
         self.acct.alloc("unsharded_grads", g.numel() * g.element_size())
         flat, m = u.flats[i], self.mesh
@@ -264,39 +268,50 @@ class FSDPModel(torch.nn.Module):
             out = g
             h = self.comm.all_reduce(out, m.replicate_group, m.replicate_size, u.name) if m.replicate_size > 1 else None
         self._pending.append((u, i, out, h, g.numel() * g.element_size()))
+        while len(self._pending) > self.cfg.max_reductions_in_flight:
+            self._complete(*self._pending.popleft())
+
+    def _complete(self, u: FSDPUnit, i: int, out: torch.Tensor, h: Optional[Handle], gbytes: int,
+                  hybrid_done: bool = False) -> None:
+        """Wait for one reduction (and, for HYBRID, its all-reduce across replicas); fold it in."""
+        if h is not None:
+            h.wait()
+        m = self.mesh
+        if m.shard_size > 1 and m.replicate_size > 1 and not hybrid_done:
+            self.comm.all_reduce(out, m.replicate_group, m.replicate_size, u.name).wait()
+        self._accumulate_grad(u.flats[i], out)
+        self.acct.free("unsharded_grads", gbytes)
 
     def _finish_backward(self) -> None:
         """End of backward: wait for every reduction, write fp32 gradient shards, reshard."""
         m = self.mesh
+        pending, self._pending = list(self._pending), collections.deque()
         hybrid = []
-        for u, i, out, h, gbytes in self._pending:
-            if h is not None:
-                h.wait()
-            if m.shard_size > 1 and m.replicate_size > 1:  # HYBRID: shards all-reduced across replicas
+        if m.shard_size > 1 and m.replicate_size > 1:
+            # HYBRID: all shards' reduce-scatters first, then their all-reduces across replicas, overlapped
+            for u, i, out, h, gbytes in pending:
+                if h is not None:
+                    h.wait()
                 hybrid.append(self.comm.all_reduce(out, m.replicate_group, m.replicate_size, u.name))
-        for h in hybrid:
-            h.wait()
-        for u, i, out, h, gbytes in self._pending:
-            self._accumulate_grad(u.flats[i], out)
-            self.acct.free("unsharded_grads", gbytes)
-        if self._pending:
-            self._grads_zero = False
-        self._pending = []
+            for hy in hybrid:
+                hy.wait()
+        for u, i, out, h, gbytes in pending:
+            self._complete(u, i, out, h, gbytes, hybrid_done=bool(hybrid))
         for u in self.all_units():
             u.reshard()
             u.state = TrainingState.IDLE
         self._in_backward = False
 
     def _accumulate_grad(self, flat: FlatParameter, out: torch.Tensor) -> None:
-        shard_grad = out
         if flat.grad is None:
             flat.grad = torch.zeros(flat.shard_numel, dtype=torch.float32, device=out.device)
             self.acct.alloc("sharded_grads", flat.shard_numel * 4)
             flat.attach_grad_views()
-        if self._grads_zero:
-            flat.grad.copy_(shard_grad)
+        if flat.grad_is_zero:
+            flat.grad.copy_(out)
         else:
-            flat.grad.add_(shard_grad)
+            flat.grad.add_(out)
+        flat.grad_is_zero = False
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -52,6 +52,7 @@ class FlatParameter:
         self.hi = self.lo + self.shard_numel
         self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         self.grad: torch.Tensor | None = None  # fp32 gradient shard, allocated on first reduce
+        self.grad_is_zero = True  # the next reduced gradient overwrites instead of adding
         self.opt_params = self._optimizer_views() if requires_grad else []
 
     # ---- ranges ------------------------------------------------------------------------

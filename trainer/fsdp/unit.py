@@ -142,9 +142,12 @@ class FSDPUnit:
         if self._grad_accum[i] is not None:
             g = self._grad_accum[i].add_(g)
             self._grad_accum[i] = None
+            self.acct.free("unsharded_grads", g.numel() * g.element_size())
         if self.no_sync:
             # Keep the unsharded gradient, in reduce_dtype, until the micro-batch that syncs.
-            self._grad_accum[i] = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
+            acc = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
+            self.acct.alloc("unsharded_grads", acc.numel() * acc.element_size())
+            self._grad_accum[i] = acc
         else:
             self.on_grad_ready(self, i, g)
         self._grads_seen.add(i)

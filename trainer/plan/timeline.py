@@ -143,24 +143,28 @@ class _Grads:
                         for u in lay.units]
         self.accumulated = sum(self.unsharded) if micro_batches > 1 else 0
         self.cast = sharding.reduce_dtype != sharding.param_dtype
+        self.bound = sharding.max_reductions_in_flight
 
     def before_backward(self) -> int:
         return self.accumulated
 
     def _alive(self, handed_off: list[int], current: int) -> tuple[int, int]:
-        """handed_off: unit indices whose reductions are pending; current: the unit finishing now."""
+        """handed_off: unit indices handed to the reduction so far, in hand-off order; current: the
+        unit finishing now. The engine folds in the oldest once more than `bound` are pending, so
+        the newest bound + 1 (the one being issued) are alive."""
+        handed_off = handed_off[-(self.bound + 1):]
         grads = sum(self.unsharded[i] for i in handed_off if i != current or self.cast)
         return max(self.accumulated, grads), sum(self.outputs[i] for i in handed_off)
 
     def during_block(self, j: int) -> tuple[int, int]:
         """Backward of block j: blocks j..n-1 handed off (block j is unit j + 1; the root is unit 0)."""
-        return self._alive(list(range(j + 1, len(self.unsharded))), current=j + 1)
+        return self._alive(list(range(len(self.unsharded) - 1, j, -1)), current=j + 1)
 
     def embedding_backward(self) -> tuple[int, int]:
-        return self._alive(list(range(len(self.unsharded))), current=0)
+        return self._alive(list(range(len(self.unsharded) - 1, -1, -1)), current=0)
 
     def all_handed_off(self) -> tuple[int, int]:
-        return self._alive(list(range(len(self.unsharded))), current=-1)
+        return self._alive(list(range(len(self.unsharded) - 1, -1, -1)), current=-1)
 
 
 def _optimizer_temps(lay: Layout) -> int:
