@@ -97,6 +97,10 @@ def job_config(dictcfg: DictConfig, launch_dir: str, slot: Optional[JobSlot]) ->
 
     cfg = to_job_config(dictcfg).validate()
     resolve_source(cfg.data.source)
+    if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
+        from trainer.plan import check_fits
+
+        check_fits(cfg, cfg.cluster.world_sizes[0], int(cfg.cluster.device_memory_gb * 2**30))
     if slot is not None:
         cluster = dataclasses.replace(cfg.cluster, run_name=sweep_run_name(cfg.cluster.run_name, slot))
         cfg = dataclasses.replace(cfg, cluster=cluster)

@@ -245,6 +245,10 @@ class ClusterConfig:
     """Worker-group restarts allowed after failures (-1 = unlimited)."""
     pg_timeout_s: float = 600.0
     """Process-group (collective) timeout in seconds."""
+    device_memory_gb: Optional[float] = None
+    """GiB of one worker's device. When set, the memory planner (trainer/plan) checks before any
+    worker starts that the job fits at the smallest world size, and fails with the breakdown and a
+    recommendation if it does not. On CUDA workers the device's real size is checked regardless."""
     elastic_resize_monitor_interval_s: float = 60.0
     """How often Ray Train checks whether an elastic run can grow (ScalingConfig field)."""
 
@@ -256,6 +260,8 @@ class ClusterConfig:
                   "both set (elastic) or both null (fixed num_workers)")
         if self.min_workers is not None and not 1 <= self.min_workers <= self.max_workers:
             _fail("cluster.min_workers", self.min_workers, f"1 <= min_workers <= max_workers={self.max_workers}")
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            _fail("cluster.device_memory_gb", self.device_memory_gb, "null or a positive number of GiB")
         if self.cpus_per_worker <= 0:
             _fail("cluster.cpus_per_worker", self.cpus_per_worker, "a positive number")
         if self.max_failures < -1:

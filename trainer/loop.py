@@ -123,6 +123,10 @@ class Trainer:
         self.device = resolve_device(cfg, ctx)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            from trainer.plan import check_fits  # fail before allocating, with the breakdown
+
+            check_fits(cfg, self.world, torch.cuda.get_device_properties(self.device).total_memory,
+                       ctx.local_world_size)
         strategy = ShardingStrategy.parse(cfg.sharding.strategy)
         self.mesh = build_mesh(strategy, self.rank, self.world, cfg.sharding.hybrid_shard_group_size,
                                ctx.local_world_size)

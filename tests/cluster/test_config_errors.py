@@ -53,3 +53,22 @@ def test_missing_data_path_fails_naming_the_path(launch_dir):
     missing = launch_dir / "no_such_corpus"
     result = run_cli(launch_dir, f"data.source={missing}")
     assert_failed_before_start(result, launch_dir, f"data.source='{missing}'", "no such file")
+
+
+def test_a_job_that_cannot_fit_the_device_fails_before_any_worker_starts(tmp_path):
+    """The memory planner runs on the driver: 8B on 8 x 16 GiB without sharding cannot fit."""
+    from cluster.sweep import job_config
+    from cluster.config_schema import register_schemas
+    from hydra import compose, initialize_config_dir
+    from pathlib import Path
+
+    from trainer.config import ConfigError
+
+    register_schemas()
+    conf = str(Path(__file__).resolve().parents[2] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        dictcfg = compose("config", overrides=["model=8b", "sharding=no_shard", "cluster.num_workers=8",
+                                               "train.global_batch_size=8", "data.seq_len=2048",
+                                               "cluster.device_memory_gb=16"])
+    with pytest.raises(ConfigError, match="(?s)sharding.strategy=NO_SHARD.*needs .* GiB per worker.*DOES NOT FIT"):
+        job_config(dictcfg, str(tmp_path), None)
