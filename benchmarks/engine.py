@@ -82,7 +82,7 @@ class Contestant:
     fsdp: Optional[FSDPModel] = None
     comm_bytes_computed: Optional[int] = None
     dtype_note: str = ""
-    times: list = field(default_factory=list)  # (total, fwd, bwd, opt) seconds per timed step
+    times: list = field(default_factory=list)  # (total, fwd, bwd, opt, rep) per timed step; seconds
     losses: list = field(default_factory=list)  # rank-local loss of every step, in order
     steps_done: int = 0
 
@@ -210,14 +210,15 @@ def train_step(c: Contestant, x, y, global_tokens: int, clip: float) -> tuple[fl
     return t1 - t0, t2 - t1, t3 - t2, loss
 
 
-def timed_step(c: Contestant, data: list, args, global_tokens: int, record: bool) -> None:
+def timed_step(c: Contestant, data: list, args, global_tokens: int, rep: Optional[int]) -> None:
+    """One barrier-to-barrier step; recorded under repetition `rep` unless it is None (warmup)."""
     x, y = data[c.steps_done]
     dist.barrier()
     t0 = time.perf_counter()
     fwd, bwd, opt, _ = train_step(c, x, y, global_tokens, args.clip)
     dist.barrier()  # the step ends when the slowest rank is done
-    if record:
-        c.times.append((time.perf_counter() - t0, fwd, bwd, opt))
+    if rep is not None:
+        c.times.append((time.perf_counter() - t0, fwd, bwd, opt, rep))
 
 
 def run_reps(contestants: list, data: list, args, global_tokens: int) -> None:
@@ -227,9 +228,9 @@ def run_reps(contestants: list, data: list, args, global_tokens: int) -> None:
         order = contestants[rep % k:] + contestants[:rep % k]
         for c in order:
             for _ in range(args.warmup if rep == 0 else min(1, args.warmup)):
-                timed_step(c, data, args, global_tokens, record=False)
+                timed_step(c, data, args, global_tokens, None)
             for _ in range(args.steps):
-                timed_step(c, data, args, global_tokens, record=True)
+                timed_step(c, data, args, global_tokens, rep)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -285,8 +286,10 @@ def measure_memory(c: Contestant, data: list, global_tokens: int, clip: float) -
 
 def summarise(c: Contestant, mem: dict, global_tokens: int) -> dict:
     med = [statistics.median(t[i] for t in c.times) for i in range(4)]
+    reps = sorted({t[4] for t in c.times})
+    rep_ms = [statistics.median(t[0] for t in c.times if t[4] == r) * 1e3 for r in reps]
     return dict(name=c.name, ms=med[0] * 1e3, fwd_ms=med[1] * 1e3, bwd_ms=med[2] * 1e3, opt_ms=med[3] * 1e3,
-                min_ms=min(t[0] for t in c.times) * 1e3, n=len(c.times),
+                min_ms=min(t[0] for t in c.times) * 1e3, rep_ms=rep_ms, n=len(c.times),
                 tokens_per_s=global_tokens / med[0], comm_computed=c.fsdp is None,
                 note=c.dtype_note, losses=c.losses, **mem)
 
@@ -365,26 +368,39 @@ def loss_rel_diff(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+def ratios(c: dict, ref: dict) -> dict:
+    """c's step time over ref's three ways: medians of all steps (the headline), the median over
+    repetitions of the ratio of same-repetition medians (paired: robust to slow drift of a shared
+    machine) and the ratio of the fastest steps (the least disturbed)."""
+    paired = statistics.median(a / b for a, b in zip(c["rep_ms"], ref["rep_ms"]))
+    return dict(median=c["ms"] / ref["ms"], paired=paired, min=c["min_ms"] / ref["min_ms"])
+
+
 def table(res: dict) -> str:
     by = {c["name"]: c for c in res["contestants"]}
     head = (f"{'contestant':20} {'median ms':>9} {'min ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'tok/s':>8} "
-            f"{'held MiB':>8} {'peak MiB':>8} {'acct pk':>8} {'acct prs':>8} {'comm MiB':>9} "
-            f"{'vs FSDP2':>8} {'vs DDP':>7}")
+            f"{'held MiB':>8} {'peak MiB':>8} {'acct pk':>8} {'acct prs':>8} {'comm MiB':>9}")
     lines = [head, "-" * len(head)]
     for c in res["contestants"]:
-        ratio = lambda ref: f"{c['ms'] / by[ref]['ms']:.3f}" if ref in by else "-"
         comm = mib(c["comm_bytes"]) + ("*" if c["comm_computed"] else " ")
         lines.append(f"{LABELS[c['name']]:20} {c['ms']:9.1f} {c['min_ms']:8.1f} {c['fwd_ms']:7.1f} "
                      f"{c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:8.0f} {mib(c['held_bytes']):>8} "
                      f"{mib(c['torch_peak_bytes']):>8} {mib(c.get('acct_peak_bytes')):>8} "
-                     f"{mib(c.get('acct_persistent_bytes')):>8} {comm:>9} {ratio('fsdp2'):>8} {ratio('ddp'):>7}"
+                     f"{mib(c.get('acct_persistent_bytes')):>8} {comm:>9}"
                      + (f"  [{c['note']}]" if c["note"] else ""))
+    lines += ["", f"{'step time ratio':20} {'ref':>6} {'median':>8} {'paired':>8} {'min':>8}"]
+    for name in OURS:
+        for ref in ("fsdp2", "ddp"):
+            if name in by and ref in by:
+                r = ratios(by[name], by[ref])
+                lines.append(f"{LABELS[name]:20} {ref:>6} {r['median']:8.3f} {r['paired']:8.3f} {r['min']:8.3f}")
     lines += [
         "",
         f"model {res['model']} ({res['params']:,} params), world {res['world']} gloo ranks, "
         f"{res['tokens_per_step']} tokens/step (global), param_dtype {res['param_dtype']}, "
         f"{res['threads']} torch thread(s)/rank, {res['reps']} reps x {res['steps']} timed steps "
-        f"(warmup {res['warmup']}), contestants alternating.",
+        f"(warmup {res['warmup']}), contestants alternating; 1-min load average {res['load'][0]:.1f} "
+        f"before, {res['load'][1]:.1f} after, on {os.cpu_count()} cores.",
         "ms: median (and min) step time, barrier to barrier (slowest rank); fwd/bwd/opt: rank-0 medians "
         "(opt = clip + AdamW + zero_grad).",
         "held: tensors kept between steps (params/shards, grads, AdamW state); peak: held + peak extra bytes "
@@ -392,6 +408,8 @@ def table(res: dict) -> str:
         "acct pk / acct prs: our engine's accounting, peak total bytes in a step / persistent bytes.",
         "comm: bytes sent per step per rank (ring convention); * = computed from parameter sizes, "
         "not measured.",
+        "ratios: median = of all-step medians (headline); paired = median over reps of same-rep median "
+        "ratios; min = of fastest steps.",
     ]
     return "\n".join(lines)
 
@@ -399,14 +417,16 @@ def table(res: dict) -> str:
 def headline(res: dict) -> dict:
     by = {c["name"]: c for c in res["contestants"]}
     out = {}
-    for name in ("full_shard", "shard_grad_op", "no_shard"):
-        if name not in by:
-            continue
+    for name in OURS:
         for ref in ("fsdp2", "ddp"):
-            if ref in by:
-                out[f"{name}_step_time_vs_{ref}"] = round(by[name]["ms"] / by[ref]["ms"], 4)
+            if name in by and ref in by:
+                r = ratios(by[name], by[ref])
+                out[f"{name}_step_time_vs_{ref}"] = round(r["median"], 4)
+                out[f"{name}_step_time_vs_{ref}_paired"] = round(r["paired"], 4)
+                out[f"{name}_step_time_vs_{ref}_min"] = round(r["min"], 4)
     for name, c in by.items():
         out[f"{name}_ms"] = round(c["ms"], 2)
+        out[f"{name}_min_ms"] = round(c["min_ms"], 2)
         out[f"{name}_tokens_per_s"] = round(c["tokens_per_s"], 1)
         out[f"{name}_peak_bytes"] = c["torch_peak_bytes"]
         out[f"{name}_comm_bytes"] = c["comm_bytes"]
@@ -419,15 +439,16 @@ def headline(res: dict) -> dict:
     if "full_shard_step_time_vs_fsdp2" in out:
         out["goal_full_shard_le_fsdp2"] = out["full_shard_step_time_vs_fsdp2"] <= 1.0
     out.update(world=res["world"], model=res["model"], param_dtype=res["param_dtype"],
-               tokens_per_step=res["tokens_per_step"], timed_steps=res["reps"] * res["steps"])
+               tokens_per_step=res["tokens_per_step"], timed_steps=res["reps"] * res["steps"],
+               threads=res["threads"], load_avg=[round(x, 2) for x in res["load"]])
     return out
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=2, help="gloo ranks (processes)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per contestant per repetition")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (contestants alternate inside each)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per contestant per repetition")
+    p.add_argument("--reps", type=int, default=10, help="repetitions (contestants alternate inside each)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per contestant in the first repetition")
     p.add_argument("--model", default="tiny", help="model preset of trainer/model.py")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
@@ -453,7 +474,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    load_before = os.getloadavg()[0]
     res = spawn(args)
+    res["load"] = (load_before, os.getloadavg()[0])
     print(table(res))
     print(json.dumps(headline(res)), flush=True)
 

@@ -176,10 +176,11 @@ class FSDPModel(torch.nn.Module):
             u.reset_iteration()
             u.state = TrainingState.FORWARD
         self.acct.event("compute_start", "forward", ROOT)
+        self.root.issue_gather()
+        if self._order_known and self.cfg.forward_prefetch and self._order:
+            self._prefetch(self._order[0], current=None)  # overlaps the root's gather if the bound allows two
         self.root.wait_gather()
         self.root.use_views()
-        if self._order_known and self.cfg.forward_prefetch and self._order:
-            self._prefetch(self._order[0], current=None)
 
     def _root_post_forward(self, module, args, output):
         self.acct.event("compute_end", "forward", ROOT)
