@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from cluster.config_schema import register_schemas
 from cluster.job_codec import job_to_dict
 from cluster.ray_checkpoint import read_pointer
-from cluster.sweep import JobSlot, current_slot, job_config
+from cluster.sweep import JobSlot, connect_largest, current_slot, job_config
 from cluster.worker import LaunchInfo, worker_config
 from trainer.config import ConfigError, JobConfig
 from trainer import metrics
@@ -184,14 +184,7 @@ def hydra_output_dir() -> str:
 
 def connect_ray(cfg: JobConfig) -> None:
     """Start or join Ray before the MLflow run exists, so an unreachable cluster leaves no run."""
-    from cluster.ray_launch import connect
-
-    try:
-        connect(cfg.cluster)
-    except ConnectionError as e:
-        print(f"error: cannot reach Ray (cluster.address={cfg.cluster.address!r}, "
-              f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r}): {e}", file=sys.stderr)
-        sys.exit(1)
+    connect_largest([cfg])
 
 
 def fit(cfg: JobConfig, run_id: Optional[str]):

@@ -36,16 +36,22 @@ def hybrid_group_size(world_size: int, requested: int, local_world_size: int) ->
     return size
 
 
-def build_mesh(strategy: ShardingStrategy, rank: int, world_size: int,
-               hybrid_size: int = 0, local_world_size: int = 1) -> ShardMesh:
-    """Create the groups. Collective: every rank must call it with the same arguments."""
+def mesh_shape(strategy: ShardingStrategy, world_size: int, hybrid_size: int = 0,
+               local_world_size: int = 1) -> tuple[int, int]:
+    """(shard group size, replicate group size) of a strategy at a world size."""
     if strategy is ShardingStrategy.NO_SHARD:
         shard = 1
     elif strategy is ShardingStrategy.HYBRID_SHARD:
         shard = hybrid_group_size(world_size, hybrid_size, local_world_size)
     else:
         shard = world_size
-    rep = world_size // shard
+    return shard, world_size // shard
+
+
+def build_mesh(strategy: ShardingStrategy, rank: int, world_size: int,
+               hybrid_size: int = 0, local_world_size: int = 1) -> ShardMesh:
+    """Create the groups. Collective: every rank must call it with the same arguments."""
+    shard, rep = mesh_shape(strategy, world_size, hybrid_size, local_world_size)
     default = dist.group.WORLD if world_size > 1 else None
     shard_group = rep_group = None
     if 1 < shard < world_size or 1 < rep < world_size:

@@ -21,7 +21,7 @@ import torch
 from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
 from trainer.fsdp import FSDPModel
 from trainer.fsdp.engine import DTYPES
-from trainer.fsdp.mesh import ShardMesh, hybrid_group_size
+from trainer.fsdp.mesh import ShardMesh, mesh_shape
 from trainer.model import build_model
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq: one per element of each optimizer view (the step is a scalar)
@@ -58,18 +58,6 @@ class Layout:
     @property
     def units(self) -> tuple[UnitLayout, ...]:
         return (self.root, *self.blocks)
-
-
-def mesh_shape(strategy: ShardingStrategy, world_size: int, hybrid_size: int,
-               local_world_size: int) -> tuple[int, int]:
-    """(shard group size, replicate group size), as trainer.fsdp.mesh.build_mesh makes them."""
-    if strategy is ShardingStrategy.NO_SHARD:
-        shard = 1
-    elif strategy is ShardingStrategy.HYBRID_SHARD:
-        shard = hybrid_group_size(world_size, hybrid_size, local_world_size)
-    else:
-        shard = world_size
-    return shard, world_size // shard
 
 
 def virtual_mesh(strategy: ShardingStrategy, rank: int, world_size: int, hybrid_size: int,
