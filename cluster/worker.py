@@ -1,11 +1,16 @@
 """What each Ray Train worker runs: rebuild the job, adapt Ray's context to trainer.loop, train.
 
 Ray Train's TorchTrainer has already joined this process to the default torch.distributed group
-(gloo on CPU, NCCL on GPU) before this function starts.
+(gloo on CPU, NCCL on GPU) before this function starts. Every start of the worker group (the
+first, and each restart after a failure or a resize) runs this function again at the group's
+world size; the loop resumes from the newest checkpoint, and cluster/elastic.py adds the fault
+drills, the graceful drain and the elastic/* metrics.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from cluster.job_codec import job_from_dict
@@ -21,6 +26,8 @@ class LaunchInfo:
     """Where this run's checkpoints live: <storage_path>/<run_name>/checkpoints."""
     mlflow_run_id: Optional[str] = None
     """The run the driver created; None when tracking is disabled."""
+    launch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """One per launch of the run (each `fit`): worker-group restarts are counted within it."""
 
 
 def worker_config(job: dict, launch: LaunchInfo) -> dict:
@@ -29,18 +36,24 @@ def worker_config(job: dict, launch: LaunchInfo) -> dict:
 
 
 def train_loop_per_worker(config: dict) -> None:
+    entered = time.time()
     import ray.train
+    from cluster import elastic
     from trainer.loop import WorkerContext, run_training
 
     cfg = job_from_dict(config["job"])
     launch = LaunchInfo(**config["launch"])
     context = ray.train.get_context()
-    rank = context.get_world_rank()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    folder = elastic.RunFolder.of_ray_run(context.get_storage())
     logger = make_logger(rank, cfg.tracking.tracking_uri, launch.mlflow_run_id)
+    times = {"context": elastic.WORKER_TIMES.get("context"), "entered": entered, "imported": time.time()}
+    tracker = elastic.ElasticTracker(folder, rank, world_size, launch.launch_id, times)
+    drain = elastic.DrainWatcher(rank, preemption_info=elastic.preemption_notice())
     announce_resume(ray.train.get_checkpoint())
     ctx = WorkerContext(
         rank=rank,
-        world_size=context.get_world_size(),
+        world_size=world_size,
         local_rank=context.get_local_rank(),
         local_world_size=context.get_local_world_size(),
         checkpoint_root=launch.checkpoint_root,
@@ -49,13 +62,22 @@ def train_loop_per_worker(config: dict) -> None:
         # is newer when a worker died between commit and report, so Ray's is not passed here.
         resume_from=None,
         on_checkpoint=report_checkpoint,
+        should_stop=drain,
         logger=logger,
         device=worker_device(cfg.cluster.use_gpu),
+        fault=elastic.chain(tracker.before_step, elastic.FaultInjector(cfg.fault, rank, folder)),
+        on_step=tracker.on_step,
     )
     try:
-        run_training(cfg, ctx)
+        with elastic.training():
+            result = run_training(cfg, ctx)
     finally:
         logger.close()
+    if result.steps_done < cfg.train.steps:  # the loop only returns early when asked to stop
+        tracker.left(result.steps_done)
+        elastic.leave(drain, f"rank {rank} left at step {result.steps_done} of {cfg.train.steps} "
+                             f"({drain.reason or 'another rank was asked to stop'}) after committing "
+                             f"{result.last_checkpoint}; Ray Train restarts the worker group from it")
 
 
 def make_logger(rank: int, tracking_uri: str, run_id: Optional[str]) -> MetricsLogger:

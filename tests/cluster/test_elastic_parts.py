@@ -1,0 +1,282 @@
+"""cluster/elastic.py without Ray: the fault drill, the drain watcher, SIGTERM, the elastic metrics.
+
+The same parts run on a real multi-node Ray cluster in test_elastic.py; here each rule is pinned
+down in milliseconds, with a fake clock where times matter.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cluster import elastic
+from cluster.elastic import (DrainWatcher, ElasticTracker, FaultInjector, RunFolder, chain)
+from trainer.config import FaultConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def folder(tmp_path) -> RunFolder:
+    return RunFolder.at(str(tmp_path / "run" / "elastic"))
+
+
+def start_group(folder, clock, launch="L1", world=2, rank=0, context_delay=1.0):
+    """A worker group's rank-0 tracker, created as cluster/worker.py does at the group's start."""
+    entered = clock()
+    times = {"context": entered - context_delay, "entered": entered, "imported": entered + 0.5}
+    return ElasticTracker(folder, rank, world, launch, times, clock=clock)
+
+
+def train(tracker, clock, steps, step_s=0.1, loss=lambda s: 5.0 - 0.1 * s):
+    """Drive the tracker as the loop drives its callbacks; the metrics each step returned."""
+    out = []
+    for step in steps:
+        tracker.before_step(step)
+        clock.t += step_s
+        out.append(tracker.on_step(step, {"train/loss": loss(step)}) or {})
+    return out
+
+
+# ---- the run folder ---------------------------------------------------------------------------
+
+def test_run_folder_reads_what_it_wrote_and_a_torn_document_as_missing(folder, tmp_path):
+    folder.write("attempts/1.json", {"a": 1})
+    folder.write("fault.json", {"b": 2}, durable=True)
+    assert folder.read("attempts/1.json") == {"a": 1} and folder.read("fault.json") == {"b": 2}
+    assert folder.names("attempts") == ["attempts/1.json"]
+    assert folder.exists("fault.json") and not folder.exists("nothing.json")
+    (tmp_path / "run" / "elastic" / "attempts" / "2.json").write_text('{"cut')
+    assert folder.read("attempts/2.json") is None and folder.read("missing.json") is None
+
+
+# ---- fault injection --------------------------------------------------------------------------
+
+def test_crash_fires_once_per_run_on_its_rank_at_its_step(folder):
+    exits = []
+    fault = FaultConfig(kill_rank=1, at_step=5, kind="crash")
+    on_rank_0 = FaultInjector(fault, 0, folder, exit_process=exits.append)
+    on_rank_1 = FaultInjector(fault, 1, folder, exit_process=exits.append)
+    for step in range(8):
+        on_rank_0(step)
+    assert exits == [] and not folder.exists(elastic.FAULT_MARKER)
+    for step in range(8):
+        on_rank_1(step)
+    assert exits == [1]
+    marker = folder.read(elastic.FAULT_MARKER)
+    assert (marker["kind"], marker["rank"], marker["step"]) == ("crash", 1, 5)
+    # The restarted group (a new injector, the same run folder) trains step 5 like any other.
+    again = FaultInjector(fault, 1, folder, exit_process=exits.append)
+    for step in range(3, 8):
+        again(step)
+    assert exits == [1]
+
+
+def test_disabled_fault_never_fires(folder):
+    exits = []
+    injector = FaultInjector(FaultConfig(), 0, folder, exit_process=exits.append)
+    for step in range(10):
+        injector(step)
+    assert exits == [] and not folder.exists(elastic.FAULT_MARKER)
+
+
+# ---- graceful drain ---------------------------------------------------------------------------
+
+def test_drain_watcher_stops_on_a_preemption_notice_and_polls_ray_every_time():
+    calls = []
+    notice = SimpleNamespace(preempted_ranks=[1], deadline_ms=123)
+
+    def preemption_info():  # a barrier in Ray: every rank must call it once per poll
+        calls.append(1)
+        return notice if len(calls) >= 3 else None
+
+    watcher = DrainWatcher(0, preemption_info=preemption_info)
+    assert [watcher() for _ in range(5)] == [False, False, True, True, True]
+    assert len(calls) == 5
+    assert "preemption notice for ranks [1]" in watcher.reason
+
+
+def test_only_the_ranks_a_preemption_names_leave_their_process_the_others_raise():
+    notice = SimpleNamespace(preempted_ranks=[1], deadline_ms=None)
+    exits = []
+    for rank in (0, 1):
+        watcher = DrainWatcher(rank, preemption_info=lambda: notice)
+        assert watcher() and watcher.leaving == (rank == 1)
+        if rank == 1:
+            elastic.leave(watcher, "rank 1 left", exit_process=exits.append)
+        else:
+            with pytest.raises(elastic.DrainedError, match="rank 0 left"):
+                elastic.leave(watcher, "rank 0 left", exit_process=exits.append)
+    assert exits == [0]
+
+
+SIGTERM_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from cluster import elastic
+    from trainer.config import FaultConfig
+
+    elastic.install_sigterm_handler()
+    watcher = elastic.DrainWatcher(0)
+    folder = elastic.RunFolder.at(sys.argv[1])
+    drill = elastic.FaultInjector(FaultConfig(kill_rank=0, at_step=2, kind="drain"), 0, folder)
+    with elastic.training():
+        for step in range(5):
+            if watcher():
+                print("stopped before step", step, "because", watcher.reason, "leaving", watcher.leaving,
+                      flush=True)
+                break
+            drill(step)
+    # Outside training a SIGTERM is not a drain: the previous handler (here the default) ends us.
+    print("training over", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    print("still alive", flush=True)
+""")
+
+
+def test_drain_drill_sends_sigterm_which_stops_training_at_the_next_step_and_only_while_training(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_CHILD, str(tmp_path / "elastic")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "fault injection: drain of rank 0 before step 2" in proc.stdout, proc.stderr
+    assert "stopped before step 3 because SIGTERM leaving True" in proc.stdout, proc.stdout + proc.stderr
+    assert "training over" in proc.stdout and "still alive" not in proc.stdout
+    assert proc.returncode == -signal.SIGTERM
+    assert json.loads((tmp_path / "elastic" / "fault.json").read_text())["kind"] == "drain"
+
+
+# ---- elastic metrics --------------------------------------------------------------------------
+
+def test_first_group_reports_no_restart_and_no_recovery(folder):
+    clock = Clock()
+    metrics = train(start_group(folder, clock), clock, range(4))
+    assert metrics[0] == {"elastic/restarts": 0.0} and metrics[-1] == {"elastic/restarts": 0.0}
+
+
+def test_crash_recovery_counts_the_steps_since_the_checkpoint_and_times_from_the_fault(folder):
+    clock = Clock()
+    first = start_group(folder, clock)
+    train(first, clock, range(5))  # steps 0..4; the checkpoint holds 3 steps
+    folder.write(elastic.FAULT_MARKER, {"time": clock.t + 0.05})  # rank 1 died before step 5
+    clock.t += 10.0
+    second = start_group(folder, clock, world=2)  # the loop resumes at step 3
+    clock.t += 2.0
+    metrics = train(second, clock, range(3, 7), loss=lambda s: 5.0 - 0.1 * s)
+    assert metrics[0]["elastic/restarts"] == 1.0
+    assert metrics[0]["elastic/steps_lost"] == 2.0
+    assert metrics[0]["elastic/recovery_s"] == pytest.approx(12.05, abs=1e-6)
+    assert "elastic/steps_lost" not in metrics[1], "a recovery is reported once"
+    record = folder.read(second.name)
+    assert record["recovery"]["breakdown"]["ray_restart_s"] == pytest.approx(8.95, abs=1e-6)
+    assert sum(record["recovery"]["breakdown"].values()) == pytest.approx(12.05, abs=1e-6)
+    assert record["retrained_losses"] == {"3": pytest.approx(4.7), "4": pytest.approx(4.6)}
+
+
+def test_graceful_drain_loses_no_step_and_an_unannounced_death_times_from_the_last_step(folder):
+    clock = Clock()
+    first = start_group(folder, clock)
+    train(first, clock, range(6))  # the last step ends at t=1000.6
+    first.left(6)  # drained: checkpoint of step 6 committed, then the group left
+    clock.t += 7.0
+    metrics = train(start_group(folder, clock, world=1), clock, range(6, 8))
+    assert metrics[0]["elastic/steps_lost"] == 0.0
+    assert metrics[0]["elastic/recovery_s"] == pytest.approx(7.1, abs=1e-6)  # first step done at 1007.7
+    assert folder.read(first.name)["left_at"]["step"] == 6
+
+
+def test_a_group_that_died_before_its_first_step_passes_the_recovery_on(folder):
+    clock = Clock()
+    train(start_group(folder, clock), clock, range(5))  # died after step 4, at t=1000.5
+    clock.t += 5.0
+    doomed = start_group(folder, clock)
+    doomed.before_step(3)  # resumed at 3, then died inside step 3
+    clock.t += 5.0
+    metrics = train(start_group(folder, clock), clock, range(3, 5))
+    assert metrics[0]["elastic/restarts"] == 2.0
+    assert metrics[0]["elastic/steps_lost"] == 2.0  # steps 3, 4: not counted twice
+    assert metrics[0]["elastic/recovery_s"] == pytest.approx(10.1, abs=1e-6)  # 1000.5 -> 1010.6
+
+
+def test_a_resubmitted_run_reports_steps_lost_but_no_recovery_time_and_counts_restarts_anew(folder):
+    clock = Clock()
+    first = start_group(folder, clock, launch="L1")
+    train(first, clock, range(4))
+    first.left(4)
+    clock.t += 3600.0
+    metrics = train(start_group(folder, clock, launch="L2"), clock, range(4, 6))
+    assert metrics[0] == {"elastic/restarts": 0.0, "elastic/steps_lost": 0.0}
+
+
+class CountingFolder(RunFolder):
+    """A RunFolder that says it is on an object store, and counts its writes."""
+
+    def __init__(self, inner: RunFolder, local: bool):
+        super().__init__(inner.location)
+        self.local, self.writes = local, 0
+
+    @property
+    def is_local(self) -> bool:
+        return self.local
+
+    def write(self, name, doc, durable=False):
+        self.writes += 1
+        super().write(name, doc, durable)
+
+
+def test_progress_is_written_every_step_on_disk_but_at_most_once_a_second_on_an_object_store(folder):
+    writes = {}
+    for local in (True, False):
+        counting = CountingFolder(folder, local)
+        clock = Clock()
+        train(start_group(counting, clock, launch=f"L-{local}"), clock, range(20))
+        writes[local] = counting.writes
+    assert writes[True] >= 21 and writes[False] <= 3, writes
+
+
+def test_only_rank_0_keeps_a_record(folder):
+    clock = Clock()
+    tracker = start_group(folder, clock, rank=1)
+    assert train(tracker, clock, range(3)) == [{}, {}, {}]
+    assert folder.names(elastic.ATTEMPTS_DIR) == []
+
+
+def test_chain_calls_every_hook_in_order():
+    seen = []
+    hook = chain(lambda s: seen.append(("a", s)), None, lambda s: seen.append(("b", s)))
+    hook(7)
+    assert seen == [("a", 7), ("b", 7)]
+
+
+# ---- the controller's view of the cluster -----------------------------------------------------
+
+def test_workers_that_fit_count_only_alive_nodes_not_being_drained():
+    nodes = [{"NodeID": "a", "Alive": True, "Resources": {"CPU": 3.0, "GPU": 2.0}},
+             {"NodeID": "b", "Alive": True, "Resources": {"CPU": 8.0}},
+             {"NodeID": "c", "Alive": False, "Resources": {"CPU": 4.0, "GPU": 4.0}},
+             {"NodeID": "d", "Alive": True, "Resources": {"CPU": 4.0, "GPU": 4.0}}]
+    assert elastic.workers_that_fit({"CPU": 1.0, "GPU": 1.0}, nodes, draining={"d"}) == 2
+    assert elastic.workers_that_fit({"CPU": 2.0, "GPU": 0.0}, nodes, draining=set()) == 1 + 4 + 2
+
+
+def test_cluster_view_lowers_a_decision_to_the_staying_nodes_but_never_below_min_or_above_ray(monkeypatch):
+    view = elastic.ClusterView(interval_s=1.0, min_workers=2)
+    for fits, decided, expected in [(2, 3, 2), (1, 3, 3), (4, 3, 3)]:
+        monkeypatch.setattr(elastic, "workers_that_fit", lambda per_worker, fits=fits: fits)
+        decision = SimpleNamespace(num_workers=decided, resources_per_worker={"CPU": 1.0})
+        view.before_controller_execute_resize_decision(decision)
+        assert decision.num_workers == expected, (fits, decided)
