@@ -200,15 +200,20 @@ def closing_note(cfg: JobConfig, run_id: Optional[str], result) -> dict:
     """Print where everything is and return it (Hydra keeps a multirun's return values)."""
     pointer = read_pointer(result.checkpoint) or {}
     losses = metrics.metric_history(cfg.tracking.tracking_uri, run_id, "train/loss") if run_id else []
+    restarts = metrics.metric_history(cfg.tracking.tracking_uri, run_id, "elastic/restarts") if run_id else []
+    lost = metrics.metric_history(cfg.tracking.tracking_uri, run_id, "elastic/steps_lost") if run_id else []
     note = {"last_step": pointer.get("step"), "checkpoint": pointer.get("checkpoint"),
             "checkpoint_root": cfg.train.checkpoint_dir,
             "first_loss": losses[0][1] if losses else None,
             "final_loss": losses[-1][1] if losses else None, "mlflow_run_id": run_id,
-            "tracking_uri": cfg.tracking.tracking_uri, "experiment": cfg.tracking.experiment}
+            "tracking_uri": cfg.tracking.tracking_uri, "experiment": cfg.tracking.experiment,
+            "restarts": int(restarts[-1][1]) if restarts else 0, "steps_lost": int(sum(v for _, v in lost))}
     print("\n== done ==")
     if losses:
         print(f"loss:       {_fmt(note['first_loss'])} at step {losses[0][0]} -> "
               f"{_fmt(note['final_loss'])} at step {losses[-1][0]}")
+    if note["restarts"]:
+        print(f"elastic:    {note['restarts']} worker-group restarts, {note['steps_lost']} steps trained again")
     print(f"checkpoint: {note['checkpoint'] or 'none reported'} (this run's checkpoints are "
           f"under {cfg.train.checkpoint_dir})")
     if run_id:

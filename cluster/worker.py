@@ -68,16 +68,30 @@ def train_loop_per_worker(config: dict) -> None:
         fault=elastic.chain(tracker.before_step, elastic.FaultInjector(cfg.fault, rank, folder)),
         on_step=tracker.on_step,
     )
+    monitor = start_node_metrics(context, cfg, launch)
     try:
         with elastic.training():
             result = run_training(cfg, ctx)
     finally:
         logger.close()
+        if monitor is not None:
+            monitor.finish()
     if result.steps_done < cfg.train.steps:  # the loop only returns early when asked to stop
         tracker.left(result.steps_done)
         elastic.leave(drain, f"rank {rank} left at step {result.steps_done} of {cfg.train.steps} "
                              f"({drain.reason or 'another rank was asked to stop'}) after committing "
                              f"{result.last_checkpoint}; Ray Train restarts the worker group from it")
+
+
+def start_node_metrics(context, cfg, launch: LaunchInfo):
+    """MLflow system metrics of this node (system/<node ip>/...), from its local rank 0 only."""
+    if context.get_local_rank() != 0 or not launch.mlflow_run_id:
+        return None
+    import ray
+    from trainer.metrics import start_system_metrics
+
+    return start_system_metrics(cfg.tracking.tracking_uri, launch.mlflow_run_id,
+                                node_id=ray.util.get_node_ip_address())
 
 
 def make_logger(rank: int, tracking_uri: str, run_id: Optional[str]) -> MetricsLogger:
