@@ -95,3 +95,26 @@ def test_save_at_n_load_at_m_is_bitwise_and_the_next_step_matches(saved, m):
         for key, value in want["state"].items():
             assert torch.equal(got["state"][key], value), f"{key}: saved at {n} ({SAVE[n]}), loaded at {m} ({LOAD[m]})"
         assert got["next_loss"] == pytest.approx(want["next_loss"], rel=1e-6), (n, m)
+
+
+def attention_and_ffn_units(model):
+    """Another wrap policy: two units per block (attention, feed-forward); norms fall to the root."""
+    return [m for block in model.layers for m in (block.attention, block.feed_forward)]
+
+
+def _load_other_policy(rank, world, path):
+    fsdp = wrap(rank, world, policy=attention_and_ffn_units, strategy="FULL_SHARD", param_dtype="bfloat16")
+    opt = optimizer(fsdp.param_groups(WD))
+    reader = CheckpointReader(path)
+    fsdp.load_pieces(reader.read, opt, optim_step=reader.state["optim_step"])
+    state = consolidated(fsdp, opt)  # collective: every rank takes part
+    return dict(state=state, units=len(fsdp.units)) if rank == 0 else None
+
+
+def test_a_checkpoint_loads_under_another_wrap_policy_and_mixed_precision(saved):
+    """Saved with one unit per block in fp32 at 3 ranks; loaded with attention and feed-forward as
+    separate units and bf16 compute at 2 ranks: the fp32 master state is the same, bit for bit."""
+    got = run_distributed(_load_other_policy, 2, saved[3]["path"])[0]
+    assert got["units"] == 2 * 3
+    for key, value in saved[3]["state"].items():
+        assert torch.equal(got["state"][key], value), key

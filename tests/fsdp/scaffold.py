@@ -55,11 +55,13 @@ def reference(steps: int, global_batch: int, dtype=torch.float32):
                 params={k: p.detach().clone() for k, p in model.named_parameters()})
 
 
-def wrap(rank: int, world: int, **sharding) -> FSDPModel:
+def wrap(rank: int, world: int, policy=None, **sharding) -> FSDPModel:
+    """policy(model) -> the unit modules; None is the default (one unit per block)."""
     cfg = ShardingConfig(**sharding)
     mesh = build_mesh(ShardingStrategy.parse(cfg.strategy), rank, world, cfg.hybrid_shard_group_size, world)
     model = build_model(tiny(), device="meta")
-    return FSDPModel(model, cfg, mesh, torch.device("cpu"), init_fn=lambda m, p: init_parameters(m, SEED, p))
+    return FSDPModel(model, cfg, mesh, torch.device("cpu"), units=policy(model) if policy else None,
+                     init_fn=lambda m, p: init_parameters(m, SEED, p))
 
 
 def engine_run(rank: int, world: int, steps: int, global_batch: int, sharding: dict,
