@@ -20,7 +20,7 @@ class CliResult:
 
 
 def run_cli(launch_dir: Path, *overrides: str, timeout: float = 60.0,
-            env: dict | None = None) -> CliResult:
+            env: dict | None = None, run_dir: bool = True) -> CliResult:
     """`python -m cluster.train overrides...` launched from `launch_dir`, outputs under it.
 
     Runs in its own process group: on a timeout the whole group (a local Ray it started
@@ -30,7 +30,10 @@ def run_cli(launch_dir: Path, *overrides: str, timeout: float = 60.0,
                 if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     full_env.update(PYTHONPATH=pythonpath, RAY_USAGE_STATS_ENABLED="0", **(env or {}))
-    args = [sys.executable, "-m", "cluster.train", f"hydra.run.dir={launch_dir}/outputs", *overrides]
+    # hydra.run.dir goes first, where Hydra's parser would not take a later `-m`: multiruns pass
+    # run_dir=False (their outputs go to hydra.sweep.dir).
+    args = [sys.executable, "-m", "cluster.train",
+            *([f"hydra.run.dir={launch_dir}/outputs"] if run_dir else []), *overrides]
     proc = subprocess.Popen(args, cwd=launch_dir, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -38,7 +41,7 @@ def run_cli(launch_dir: Path, *overrides: str, timeout: float = 60.0,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"cluster.train did not finish in {timeout}s; output:\n{output}")
+        pytest.fail(f"cluster.train did not finish in {timeout}s; output:\n{output[-8000:]}")
     return CliResult(proc.returncode, output)
 
 

@@ -8,7 +8,6 @@ The bad-value tests run no Ray at all: they must fail before anything starts.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from omegaconf import OmegaConf
 
 from cluster.job_codec import job_from_dict
 from cluster.report import PLOT_SIZE_PX, REPORT_FILES
-from tests.cluster.conftest import REPO, CliResult
+from tests.cluster.conftest import REPO, CliResult, run_cli
 from trainer.config import JobConfig, flatten
 from trainer.metrics import MLflowLogger, create_run, git_commit, last_logged_steps
 
@@ -40,22 +39,9 @@ NOTHING_STARTED_MARKERS = ("Started a local Ray instance", "mlflow: run", "mlflo
 
 
 def run_train(launch_dir: Path, *args: str, timeout: float) -> CliResult:
-    """`python -m cluster.train ARGS` from launch_dir, in its own process group (killed whole on
-    a timeout). conftest.run_cli puts hydra.run.dir before the arguments, where Hydra's parser
-    would not take a later `-m`; this one passes them as given."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               RAY_USAGE_STATS_ENABLED="0", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.train", *args], cwd=launch_dir, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"cluster.train did not finish in {timeout}s; output:\n{output[-8000:]}")
-    return CliResult(proc.returncode, output)
+    """`python -m cluster.train ARGS` (a multirun: no hydra.run.dir) from launch_dir."""
+    return run_cli(launch_dir, *args, timeout=timeout, run_dir=False,
+                   env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"})
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Our fully sharded data parallel engine. Imports torch only (no torch.distributed.fsdp)."""
+"""Our fully sharded data parallel engine. Imports torch only: none of torch's own FSDP, DeepSpeed or fairscale."""
 from trainer.config import ShardingStrategy
 
 from .accounting import Accounting
