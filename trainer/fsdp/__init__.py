@@ -1,4 +1,4 @@
-"""Our fully sharded data parallel engine. Imports torch only: none of torch's own FSDP, DeepSpeed or fairscale."""
+"""Our fully sharded data parallel engine. It imports torch only; no third-party sharding library."""
 from trainer.config import ShardingStrategy
 
 from .accounting import Accounting
