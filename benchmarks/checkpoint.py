@@ -21,6 +21,7 @@ The page cache cannot be dropped without root, so reads may be served from memor
 read and the load alike; the read ratio compares like with like, the absolute read figures may
 flatter the disk. The last line is one JSON object of the headline ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,7 @@ def raw_write(path: str, tensors: dict[str, torch.Tensor]) -> None:
         for t in tensors.values():
             mv = memoryview(t.view(torch.uint8).numpy())
             for i in range(0, len(mv), IO_BLOCK):
-                f.write(mv[i:i + IO_BLOCK])
+                f.write(mv[i : i + IO_BLOCK])
         f.flush()
         os.fsync(f.fileno())
 
@@ -114,8 +115,9 @@ ROWS = [
 ]
 
 
-def one_round(step: int, tensors, workdir: str, sync: CheckpointWriter,
-              background: CheckpointWriter) -> dict[str, float]:
+def one_round(
+    step: int, tensors, workdir: str, sync: CheckpointWriter, background: CheckpointWriter
+) -> dict[str, float]:
     """Each measurement once; the raw baseline is interleaved so disk drift hits all alike."""
     t = {}
     raw = os.path.join(workdir, "raw.bin")
@@ -123,9 +125,9 @@ def one_round(step: int, tensors, workdir: str, sync: CheckpointWriter,
     t["raw_read"], _ = timed(lambda: raw_read(raw))
     t["raw_tensors"], _ = timed(lambda: raw_read_tensors(raw, tensors))
     os.remove(raw)
-    t["sync"], _ = timed(lambda: sync.save(step, 0, 1, chunks_of(tensors), {}, lambda: None))
+    t["sync"], _ = timed(lambda: sync.save(step, 0, 1, chunks_of(tensors), {}))
     t0 = time.perf_counter()
-    background.save(step, 0, 1, chunks_of(tensors), {}, lambda: None)
+    background.save(step, 0, 1, chunks_of(tensors), {})
     t["blocked"] = time.perf_counter() - t0
     path = background.wait()
     t["async"] = time.perf_counter() - t0
@@ -146,27 +148,39 @@ def run(size_gb: float, workdir: str, rounds: int) -> dict:
     # Round 1's blocked time includes allocating the staging buffer; later rounds reuse it.
     steady_blocked = min(r["blocked"] for r in results[1:]) if rounds > 1 else results[0]["blocked"]
 
-    print(f"checkpoint benchmark: {gb:.2f} GiB in {len(tensors)} tensors, one rank, {rounds} "
-          f"rounds, dir {workdir}, {os.cpu_count()} CPUs")
-    print(f"{'what':<44}" + "".join(f" {'round ' + str(i + 1) + ' s':>10}" for i in range(rounds))
-          + f" {'best GiB/s':>11}")
+    print(
+        f"checkpoint benchmark: {gb:.2f} GiB in {len(tensors)} tensors, one rank, {rounds} "
+        f"rounds, dir {workdir}, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'what':<44}"
+        + "".join(f" {'round ' + str(i + 1) + ' s':>10}" for i in range(rounds))
+        + f" {'best GiB/s':>11}"
+    )
     for k, what in ROWS:
-        print(f"{what:<44}" + "".join(f" {r[k]:>10.3f}" for r in results) + f" {gb / best[k]:>11.2f}")
-    print("round 1 includes each writer's first save (staging buffer allocated); later rounds "
-          "reuse it. Reads may hit the page cache (it cannot be dropped here), raw and load alike.")
-    return dict(size_gib=round(gb, 3),
-                save_vs_raw_write=round(best["raw"] / best["sync"], 3),
-                async_save_vs_raw_write=round(best["raw"] / best["async"], 3),
-                load_vs_raw_read=round(best["raw_read"] / best["load"], 3),
-                reshard_load_vs_raw_read=round(best["raw_read"] / best["reshard"], 3),
-                load_vs_raw_read_into_tensors=round(best["raw_tensors"] / best["load"], 3),
-                async_blocked_vs_sync=round(steady_blocked / best["sync"], 3),
-                first_async_blocked_vs_sync=round(results[0]["blocked"] / results[0]["sync"], 3))
+        print(
+            f"{what:<44}" + "".join(f" {r[k]:>10.3f}" for r in results) + f" {gb / best[k]:>11.2f}"
+        )
+    print(
+        "round 1 includes each writer's first save (staging buffer allocated); later rounds "
+        "reuse it. Reads may hit the page cache (it cannot be dropped here), raw and load alike."
+    )
+    return dict(
+        size_gib=round(gb, 3),
+        save_vs_raw_write=round(best["raw"] / best["sync"], 3),
+        async_save_vs_raw_write=round(best["raw"] / best["async"], 3),
+        load_vs_raw_read=round(best["raw_read"] / best["load"], 3),
+        reshard_load_vs_raw_read=round(best["raw_read"] / best["reshard"], 3),
+        load_vs_raw_read_into_tensors=round(best["raw_tensors"] / best["load"], 3),
+        async_blocked_vs_sync=round(steady_blocked / best["sync"], 3),
+        first_async_blocked_vs_sync=round(results[0]["blocked"] / results[0]["sync"], 3),
+    )
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (default 2)")
     ap.add_argument("--quick", action="store_true", help="256 MB instead")
     ap.add_argument("--rounds", type=int, default=3, help="repetitions; best time counts (3)")

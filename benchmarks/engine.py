@@ -38,6 +38,7 @@ counted for anyone.
 
 The last line of output is one JSON object with the headline figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,19 +55,23 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._profiler import _EventType
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # the reference, here only
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
-from trainer.config import ShardingConfig, ShardingStrategy
-from trainer.fsdp import FSDPModel, build_mesh
-from trainer.model import build_model, count_params, init_parameters, loss_sum, model_config
+from trainer.config import DType, ShardingConfig, model_config
+from trainer.fsdp import FSDPModel, build_mesh, parallelize
+from trainer.model import build_model, count_params, initializer, loss_sum
 
 SEED = 1234
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 OURS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD"}
 ORDER = ("full_shard", "fsdp2", "ddp", "shard_grad_op", "no_shard")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # ----------------------------------------------------------------------------- contestants
+
 
 @dataclass
 class Contestant:
@@ -75,7 +80,9 @@ class Contestant:
     name: str
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    loss_scale: float  # multiplies the global-token-normalised loss (world size for averaging wrappers)
+    loss_scale: (
+        float  # multiplies the global-token-normalised loss (world size for averaging wrappers)
+    )
     clip: Callable[[float], object]
     zero_grad: Callable[[], None]
     held: Callable[[], list]  # tensors this contestant keeps between steps
@@ -89,7 +96,9 @@ class Contestant:
 
 def adamw(decay: list, rest: list) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=False)  # as trainer/loop.py
+    return torch.optim.AdamW(
+        groups, lr=LR, betas=BETAS, eps=EPS, foreach=False
+    )  # as trainer/loop.py
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
@@ -99,27 +108,37 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
 def build_ours(name: str, args, rank: int, world: int) -> Contestant:
     cfg = ShardingConfig(strategy=OURS[name], param_dtype=args.param_dtype, reduce_dtype="float32")
     cfg.validate()
-    mesh = build_mesh(ShardingStrategy.parse(cfg.strategy), rank, world, 0, world)
-    model = build_model(model_config(args.model), device="meta")
-    fsdp = FSDPModel(model, cfg, mesh, torch.device("cpu"), init_fn=lambda m, p: init_parameters(m, SEED, p))
+    mesh = build_mesh(cfg, rank, world, local_world_size=world)
+    fsdp = parallelize(
+        build_model(model_config(args.model), device="meta"),
+        cfg,
+        mesh,
+        "cpu",
+        init_fn=initializer(SEED),
+    )
     groups = fsdp.param_groups(WD)
     opt = adamw(groups[0]["params"], groups[1]["params"])
 
     def held():
-        return [t for f in fsdp.flats() for t in (f.shard, f.grad) if t is not None] + optimizer_tensors(opt)
+        return [
+            t for f in fsdp.flats() for t in (f.shard, f.grad) if t is not None
+        ] + optimizer_tensors(opt)
 
     return Contestant(name, fsdp, opt, 1.0, fsdp.clip_grad_norm_, fsdp.zero_grad, held, fsdp=fsdp)
 
 
 def build_fsdp2(args, rank: int, world: int) -> Contestant:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # benchmarks only
-
     model = build_model(model_config(args.model), device="cpu", seed=SEED)
-    mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32
+    )
     for block in model.layers:
         fully_shard(block, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
-    opt = adamw([p for p in model.parameters() if p.ndim >= 2], [p for p in model.parameters() if p.ndim < 2])
+    opt = adamw(
+        [p for p in model.parameters() if p.ndim >= 2],
+        [p for p in model.parameters() if p.ndim < 2],
+    )
 
     def held():
         out = [p.to_local() for p in model.parameters()]
@@ -127,26 +146,47 @@ def build_fsdp2(args, rank: int, world: int) -> Contestant:
         return out + [t.to_local() if hasattr(t, "to_local") else t for t in optimizer_tensors(opt)]
 
     clip = lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m)
-    return Contestant("fsdp2", model, opt, float(world), clip, lambda: opt.zero_grad(set_to_none=False), held,
-                      comm_bytes_computed=fsdp2_comm_bytes(model, world, args.param_dtype))
+    return Contestant(
+        "fsdp2",
+        model,
+        opt,
+        float(world),
+        clip,
+        lambda: opt.zero_grad(set_to_none=False),
+        held,
+        comm_bytes_computed=fsdp2_comm_bytes(model, world, args.param_dtype),
+    )
 
 
 def build_ddp(args, rank: int, world: int) -> Contestant:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     plain = build_model(model_config(args.model), device="cpu", seed=SEED)
     model = DDP(plain, gradient_as_bucket_view=True)
-    opt = adamw([p for p in model.parameters() if p.ndim >= 2], [p for p in model.parameters() if p.ndim < 2])
+    opt = adamw(
+        [p for p in model.parameters() if p.ndim >= 2],
+        [p for p in model.parameters() if p.ndim < 2],
+    )
 
     def held():
-        return [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None] \
+        return (
+            [p for p in model.parameters()]
+            + [p.grad for p in model.parameters() if p.grad is not None]
             + optimizer_tensors(opt)
+        )
 
     clip = lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m)
     n = sum(p.numel() for p in model.parameters())
     note = "" if args.param_dtype == "float32" else "fp32 (DDP has no param_dtype)"
-    return Contestant("ddp", model, opt, float(world), clip, lambda: opt.zero_grad(set_to_none=False), held,
-                      comm_bytes_computed=ring_bytes("all_reduce", n * 4, world), dtype_note=note)
+    return Contestant(
+        "ddp",
+        model,
+        opt,
+        float(world),
+        clip,
+        lambda: opt.zero_grad(set_to_none=False),
+        held,
+        comm_bytes_computed=ring_bytes("all_reduce", n * 4, world),
+        dtype_note=note,
+    )
 
 
 def build(name: str, args, rank: int, world: int) -> Contestant:
@@ -157,28 +197,35 @@ def build(name: str, args, rank: int, world: int) -> Contestant:
 
 # ----------------------------------------------------------------------------- computed bytes
 
+
 def ring_bytes(op: str, payload_bytes: int, world: int) -> int:
-    """Bytes one rank sends under a ring algorithm (the convention of trainer/fsdp/accounting.py)."""
+    """Bytes one rank sends under a ring algorithm (as trainer/fsdp/accounting.py counts)."""
     return (2 if op == "all_reduce" else 1) * payload_bytes * (world - 1) // world
 
 
 def fsdp2_comm_bytes(model: torch.nn.Module, world: int, param_dtype: str) -> int:
     """FSDP2 per step per rank: blocks gathered in forward and again in backward, the root gathered
     once (FSDP2 keeps the root unsharded after forward), fp32 reduce-scatter of every gradient."""
+
     def padded(params) -> int:  # FSDP2 shards dim 0 of every parameter, padded to the world size
-        return sum(math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1)) for p in params)
+        return sum(
+            math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1))
+            for p in params
+        )
 
     block_ids = {id(p) for b in model.layers for p in b.parameters()}
     blocks = padded(p for p in model.parameters() if id(p) in block_ids)
     root = padded(p for p in model.parameters() if id(p) not in block_ids)
-    gather = ring_bytes("all_gather", (2 * blocks + root) * DTYPE_BYTES[param_dtype], world)
+    gather = ring_bytes("all_gather", (2 * blocks + root) * DType(param_dtype).itemsize, world)
     return gather + ring_bytes("reduce_scatter", (blocks + root) * 4, world)
 
 
 # ----------------------------------------------------------------------------- one step
 
+
 def batches(args, rank: int, n: int) -> list:
-    """n (inputs, targets) pairs of this rank: args.batch x args.seq tokens each, seeded by (step, rank)."""
+    """n (inputs, targets) pairs of this rank: args.batch x args.seq tokens each, seeded by
+    (step, rank)."""
     out = []
     vocab = model_config(args.model).vocab_size
     for step in range(n):
@@ -188,10 +235,10 @@ def batches(args, rank: int, n: int) -> list:
     return out
 
 
-def train_step(c: Contestant, x, y, global_tokens: int, clip: float) -> tuple[float, float, float, float]:
+def train_step(
+    c: Contestant, x, y, global_tokens: int, clip: float
+) -> tuple[float, float, float, float]:
     """One training step as trainer/loop.py runs it: (forward s, backward s, optimizer s, loss)."""
-    if c.fsdp is not None:
-        c.fsdp.acct.reset_step()
     t0 = time.perf_counter()
     s, _ = loss_sum(c.model(x), y)
     t1 = time.perf_counter()
@@ -203,7 +250,7 @@ def train_step(c: Contestant, x, y, global_tokens: int, clip: float) -> tuple[fl
     c.zero_grad()
     t3 = time.perf_counter()
     if c.fsdp is not None:
-        c.fsdp.update_optim_accounting(c.optimizer)
+        c.fsdp.metrics(c.optimizer)  # counts the optimizer state in the accounting
     loss = float(s.detach()) / (x.numel())
     c.losses.append(loss)
     c.steps_done += 1
@@ -225,7 +272,7 @@ def run_reps(contestants: list, data: list, args, global_tokens: int) -> None:
     """Alternate contestants; rotate who goes first in each repetition."""
     k = len(contestants)
     for rep in range(args.reps):
-        order = contestants[rep % k:] + contestants[:rep % k]
+        order = contestants[rep % k :] + contestants[: rep % k]
         for c in order:
             for _ in range(args.warmup if rep == 0 else min(1, args.warmup)):
                 timed_step(c, data, args, global_tokens, None)
@@ -234,6 +281,7 @@ def run_reps(contestants: list, data: list, args, global_tokens: int) -> None:
 
 
 # ----------------------------------------------------------------------------- memory
+
 
 def held_bytes(tensors: list) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
@@ -248,9 +296,6 @@ def held_bytes(tensors: list) -> int:
 
 def step_peak_allocated(c: Contestant, x, y, global_tokens: int, clip: float) -> int:
     """Peak of extra bytes the torch CPU allocator handed out (main thread) during one step."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         train_step(c, x, y, global_tokens, clip)
     events = []
@@ -275,8 +320,11 @@ def measure_memory(c: Contestant, data: list, global_tokens: int, clip: float) -
     out = {"held_bytes": held, "step_peak_extra_bytes": peak, "torch_peak_bytes": held + peak}
     if c.fsdp is not None:
         acct = c.fsdp.acct
-        out.update(acct_peak_bytes=int(acct.peak["total"]), acct_persistent_bytes=int(acct.persistent_bytes()),
-                   comm_bytes=int(sum(acct.comm_bytes.values())))
+        out.update(
+            acct_peak_bytes=int(acct.peak["total"]),
+            acct_persistent_bytes=int(acct.persistent_bytes()),
+            comm_bytes=int(sum(acct.comm_bytes.values())),
+        )
     else:
         out["comm_bytes"] = c.comm_bytes_computed
     return out
@@ -284,14 +332,26 @@ def measure_memory(c: Contestant, data: list, global_tokens: int, clip: float) -
 
 # ----------------------------------------------------------------------------- one rank
 
+
 def summarise(c: Contestant, mem: dict, global_tokens: int) -> dict:
     med = [statistics.median(t[i] for t in c.times) for i in range(4)]
     reps = sorted({t[4] for t in c.times})
     rep_ms = [statistics.median(t[0] for t in c.times if t[4] == r) * 1e3 for r in reps]
-    return dict(name=c.name, ms=med[0] * 1e3, fwd_ms=med[1] * 1e3, bwd_ms=med[2] * 1e3, opt_ms=med[3] * 1e3,
-                min_ms=min(t[0] for t in c.times) * 1e3, rep_ms=rep_ms, n=len(c.times),
-                tokens_per_s=global_tokens / med[0], comm_computed=c.fsdp is None,
-                note=c.dtype_note, losses=c.losses, **mem)
+    return dict(
+        name=c.name,
+        ms=med[0] * 1e3,
+        fwd_ms=med[1] * 1e3,
+        bwd_ms=med[2] * 1e3,
+        opt_ms=med[3] * 1e3,
+        min_ms=min(t[0] for t in c.times) * 1e3,
+        rep_ms=rep_ms,
+        n=len(c.times),
+        tokens_per_s=global_tokens / med[0],
+        comm_computed=c.fsdp is None,
+        note=c.dtype_note,
+        losses=c.losses,
+        **mem,
+    )
 
 
 def rank_main(rank: int, world: int, args) -> Optional[dict]:
@@ -304,15 +364,29 @@ def rank_main(rank: int, world: int, args) -> Optional[dict]:
     mems = [measure_memory(c, data, global_tokens, args.clip) for c in contestants]
     if rank != 0:
         return None
-    return dict(contestants=[summarise(c, m, global_tokens) for c, m in zip(contestants, mems)],
-                world=world, model=args.model, params=count_params(model_config(args.model)),
-                tokens_per_step=global_tokens, param_dtype=args.param_dtype, threads=torch.get_num_threads(),
-                steps=args.steps, reps=args.reps, warmup=args.warmup)
+    return dict(
+        contestants=[summarise(c, m, global_tokens) for c, m in zip(contestants, mems)],
+        world=world,
+        model=args.model,
+        params=count_params(model_config(args.model)),
+        tokens_per_step=global_tokens,
+        param_dtype=args.param_dtype,
+        threads=torch.get_num_threads(),
+        steps=args.steps,
+        reps=args.reps,
+        warmup=args.warmup,
+    )
 
 
 def _entry(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(args.threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -331,11 +405,15 @@ def free_port() -> int:
 
 
 def spawn(args) -> dict:
-    """Run rank_main on args.world gloo ranks; return rank 0's result (raise with a rank's traceback)."""
+    """Run rank_main on args.world gloo ranks; return rank 0's result (raise with a rank's
+    traceback)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, args.world, port, args, queue))
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     result = None
@@ -356,8 +434,13 @@ def spawn(args) -> dict:
 
 # ----------------------------------------------------------------------------- report
 
-LABELS = {"full_shard": "ours FULL_SHARD", "shard_grad_op": "ours SHARD_GRAD_OP", "no_shard": "ours NO_SHARD",
-          "fsdp2": "torch FSDP2", "ddp": "torch DDP"}
+LABELS = {
+    "full_shard": "ours FULL_SHARD",
+    "shard_grad_op": "ours SHARD_GRAD_OP",
+    "no_shard": "ours NO_SHARD",
+    "fsdp2": "torch FSDP2",
+    "ddp": "torch DDP",
+}
 
 
 def mib(n) -> str:
@@ -378,37 +461,51 @@ def ratios(c: dict, ref: dict) -> dict:
 
 def table(res: dict) -> str:
     by = {c["name"]: c for c in res["contestants"]}
-    head = (f"{'contestant':20} {'median ms':>9} {'min ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} {'tok/s':>8} "
-            f"{'held MiB':>8} {'peak MiB':>8} {'acct pk':>8} {'acct prs':>8} {'comm MiB':>9}")
+    head = (
+        f"{'contestant':20} {'median ms':>9} {'min ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} "
+        f"{'tok/s':>8} "
+        f"{'held MiB':>8} {'peak MiB':>8} {'acct pk':>8} {'acct prs':>8} {'comm MiB':>9}"
+    )
     lines = [head, "-" * len(head)]
     for c in res["contestants"]:
         comm = mib(c["comm_bytes"]) + ("*" if c["comm_computed"] else " ")
-        lines.append(f"{LABELS[c['name']]:20} {c['ms']:9.1f} {c['min_ms']:8.1f} {c['fwd_ms']:7.1f} "
-                     f"{c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:8.0f} {mib(c['held_bytes']):>8} "
-                     f"{mib(c['torch_peak_bytes']):>8} {mib(c.get('acct_peak_bytes')):>8} "
-                     f"{mib(c.get('acct_persistent_bytes')):>8} {comm:>9}"
-                     + (f"  [{c['note']}]" if c["note"] else ""))
+        lines.append(
+            f"{LABELS[c['name']]:20} {c['ms']:9.1f} {c['min_ms']:8.1f} {c['fwd_ms']:7.1f} "
+            f"{c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:8.0f} "
+            f"{mib(c['held_bytes']):>8} "
+            f"{mib(c['torch_peak_bytes']):>8} {mib(c.get('acct_peak_bytes')):>8} "
+            f"{mib(c.get('acct_persistent_bytes')):>8} {comm:>9}"
+            + (f"  [{c['note']}]" if c["note"] else "")
+        )
     lines += ["", f"{'step time ratio':20} {'ref':>6} {'median':>8} {'paired':>8} {'min':>8}"]
     for name in OURS:
         for ref in ("fsdp2", "ddp"):
             if name in by and ref in by:
                 r = ratios(by[name], by[ref])
-                lines.append(f"{LABELS[name]:20} {ref:>6} {r['median']:8.3f} {r['paired']:8.3f} {r['min']:8.3f}")
+                lines.append(
+                    f"{LABELS[name]:20} {ref:>6} {r['median']:8.3f} {r['paired']:8.3f} "
+                    f"{r['min']:8.3f}"
+                )
     lines += [
         "",
         f"model {res['model']} ({res['params']:,} params), world {res['world']} gloo ranks, "
         f"{res['tokens_per_step']} tokens/step (global), param_dtype {res['param_dtype']}, "
         f"{res['threads']} torch thread(s)/rank, {res['reps']} reps x {res['steps']} timed steps "
-        f"(warmup {res['warmup']}), contestants alternating; 1-min load average {res['load'][0]:.1f} "
+        f"(warmup {res['warmup']}), contestants alternating; 1-min load average "
+        f"{res['load'][0]:.1f} "
         f"before, {res['load'][1]:.1f} after, on {os.cpu_count()} cores.",
-        "ms: median (and min) step time, barrier to barrier (slowest rank); fwd/bwd/opt: rank-0 medians "
+        "ms: median (and min) step time, barrier to barrier (slowest rank); fwd/bwd/opt: "
+        "rank-0 medians "
         "(opt = clip + AdamW + zero_grad).",
-        "held: tensors kept between steps (params/shards, grads, AdamW state); peak: held + peak extra bytes "
-        "from the torch CPU allocator during one step (torch.profiler profile_memory, main thread, rank 0).",
-        "acct pk / acct prs: our engine's accounting, peak total bytes in a step / persistent bytes.",
+        "held: tensors kept between steps (params/shards, grads, AdamW state); peak: held + peak "
+        "extra bytes from the torch CPU allocator during one step (torch.profiler profile_memory, "
+        "main thread, rank 0).",
+        "acct pk / acct prs: our engine's accounting, peak total bytes in a step / persistent "
+        "bytes.",
         "comm: bytes sent per step per rank (ring convention); * = computed from parameter sizes, "
         "not measured.",
-        "ratios: median = of all-step medians (headline); paired = median over reps of same-rep median "
+        "ratios: median = of all-step medians (headline); paired = median over reps of same-rep "
+        "median "
         "ratios; min = of fastest steps.",
     ]
     return "\n".join(lines)
@@ -435,12 +532,24 @@ def headline(res: dict) -> dict:
         out["full_shard_acct_persistent_bytes"] = by["full_shard"]["acct_persistent_bytes"]
     if "fsdp2" in by:
         out["max_loss_rel_diff_vs_fsdp2"] = max(
-            (loss_rel_diff(c["losses"], by["fsdp2"]["losses"]) for n, c in by.items() if n != "fsdp2"), default=0.0)
+            (
+                loss_rel_diff(c["losses"], by["fsdp2"]["losses"])
+                for n, c in by.items()
+                if n != "fsdp2"
+            ),
+            default=0.0,
+        )
     if "full_shard_step_time_vs_fsdp2" in out:
         out["goal_full_shard_le_fsdp2"] = out["full_shard_step_time_vs_fsdp2"] <= 1.0
-    out.update(world=res["world"], model=res["model"], param_dtype=res["param_dtype"],
-               tokens_per_step=res["tokens_per_step"], timed_steps=res["reps"] * res["steps"],
-               threads=res["threads"], load_avg=[round(x, 2) for x in res["load"]])
+    out.update(
+        world=res["world"],
+        model=res["model"],
+        param_dtype=res["param_dtype"],
+        tokens_per_step=res["tokens_per_step"],
+        timed_steps=res["reps"] * res["steps"],
+        threads=res["threads"],
+        load_avg=[round(x, 2) for x in res["load"]],
+    )
     return out
 
 
@@ -448,15 +557,27 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=2, help="gloo ranks (processes)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per contestant per repetition")
-    p.add_argument("--reps", type=int, default=10, help="repetitions (contestants alternate inside each)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per contestant in the first repetition")
+    p.add_argument(
+        "--reps", type=int, default=10, help="repetitions (contestants alternate inside each)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps per contestant in the first repetition"
+    )
     p.add_argument("--model", default="tiny", help="model preset of trainer/model.py")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--param-dtype", default="float32", choices=sorted(DTYPE_BYTES), help="compute dtype")
+    p.add_argument(
+        "--param-dtype", default="float32", choices=[d.value for d in DType], help="compute dtype"
+    )
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0 disables)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (same for all)")
-    p.add_argument("--contestants", default=",".join(ORDER), help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads per rank (same for all)"
+    )
+    p.add_argument(
+        "--contestants",
+        default=",".join(ORDER),
+        help=f"comma-separated subset of {','.join(ORDER)}",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks")
     args = p.parse_args(argv)
     args.contestants = [c.strip() for c in args.contestants.split(",") if c.strip()]

@@ -9,6 +9,7 @@ pointer folder owned by Ray (`<storage>/<run>/ray_checkpoints/step_<s>_<n>/point
 the real checkpoint), with CheckpointUploadMode.NO_UPLOAD: already in Ray's run folder, nothing
 is copied. Ray prunes pointers, the loop prunes checkpoints, neither touches the other's files.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,8 @@ def report_checkpoint(checkpoint_path: str, step: int) -> None:
     Rank 0 writes the pointer and registers it; the other ranks report no checkpoint, which
     Ray merges into rank 0's (its dir name is broadcast from rank 0).
     """
-    import ray.train
-    from ray.train import Checkpoint, CheckpointUploadMode
+    import ray.train  # noqa: PLC0415 -- ray costs seconds to import; the driver imports this
+    from ray.train import Checkpoint, CheckpointUploadMode  # noqa: PLC0415 -- the same
 
     context = ray.train.get_context()
     checkpoint, name = None, None
@@ -41,9 +42,12 @@ def report_checkpoint(checkpoint_path: str, step: int) -> None:
         fs_path = f"{storage.experiment_fs_path}/{name}"
         write_pointer(storage.storage_filesystem, fs_path, checkpoint_path, step)
         checkpoint = Checkpoint(path=fs_path, filesystem=storage.storage_filesystem)
-    ray.train.report({"step": step, "checkpoint_path": checkpoint_path}, checkpoint=checkpoint,
-                     checkpoint_dir_name=name,
-                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    ray.train.report(
+        {"step": step, "checkpoint_path": checkpoint_path},
+        checkpoint=checkpoint,
+        checkpoint_dir_name=name,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+    )
 
 
 def write_pointer(filesystem, fs_path: str, checkpoint_path: str, step: int) -> None:
@@ -54,7 +58,8 @@ def write_pointer(filesystem, fs_path: str, checkpoint_path: str, step: int) -> 
 
 
 def read_pointer(checkpoint) -> Optional[dict]:
-    """{'checkpoint': path, 'step': s} of a Ray Checkpoint written by report_checkpoint, else None."""
+    """{'checkpoint': path, 'step': s} of a Ray Checkpoint written by report_checkpoint, else
+    None."""
     if checkpoint is None:
         return None
     try:

@@ -1,10 +1,14 @@
 """Ray for one job: connect (or start a local instance) and build the Train V2 TorchTrainer."""
+
 from __future__ import annotations
 
 import math
 import os
+import sys
+from typing import TYPE_CHECKING
 
-from trainer.config import ClusterConfig, JobConfig
+if TYPE_CHECKING:  # annotations only: cluster.config imports cluster.tracking, which imports this
+    from cluster.config import ClusterConfig, JobConfig
 
 
 def ray_address(cluster: ClusterConfig) -> str | None:
@@ -23,7 +27,7 @@ def connect(cluster: ClusterConfig) -> None:
     A local instance keeps its dashboard process: it serves the State API, without which
     Ray Train's placement-group cleaner cannot see its controller and warns every second.
     """
-    import ray
+    import ray  # noqa: PLC0415 -- ray costs seconds to import: not for a config that fails
 
     if ray.is_initialized():
         return
@@ -37,40 +41,62 @@ def connect(cluster: ClusterConfig) -> None:
         ray.init(num_cpus=local_num_cpus(cluster), include_dashboard=True)
 
 
+def connect_largest(cfgs: list[JobConfig]) -> None:
+    """Start or join Ray once for all these jobs (a sweep's, or a plain run's one), sized for the
+    largest (a local Ray started for a 2-worker job would leave a later 4-worker job waiting for
+    CPUs forever); exit 1 if Ray cannot be reached."""
+    largest = max(cfgs, key=lambda c: local_num_cpus(c.cluster))
+    try:
+        connect(largest.cluster)
+    except ConnectionError as e:
+        print(
+            f"error: cannot reach Ray (cluster.address={largest.cluster.address!r}, "
+            f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r}): {e}",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+
+
 def build_trainer(cfg: JobConfig, train_loop_config: dict):
     """The TorchTrainer of one run: fixed or elastic (min..max workers), restarted on failures.
 
     Every (re)start of the worker group resumes from the run's newest checkpoint at the group's
     size. A stable name + storage makes a resubmitted run the same run: Ray finds its reported
     checkpoints, the loop its checkpoint folder."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray.train.torch  # noqa: PLC0415 -- ray costs seconds to import: only to run a job
 
-    from cluster.elastic import ClusterView, SigtermCallback
-    from cluster.worker import train_loop_per_worker
+    from cluster.elastic import ClusterView, SigtermCallback  # noqa: PLC0415 -- imports ray
+
+    # cluster.worker imports cluster.config, which imports cluster.tracking, which imports this
+    from cluster.worker import train_loop_per_worker  # noqa: PLC0415 -- an import cycle
 
     c = cfg.cluster
     lo, hi = c.world_sizes
     elastic = c.min_workers is not None
     resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
-    return TorchTrainer(
+    scaling = ray.train.ScalingConfig(
+        num_workers=(lo, hi) if elastic else hi,
+        use_gpu=c.use_gpu,
+        resources_per_worker=resources,
+        elastic_resize_monitor_interval_s=c.elastic_resize_monitor_interval_s,
+    )
+    return ray.train.torch.TorchTrainer(
         train_loop_per_worker,
         train_loop_config=train_loop_config,
-        scaling_config=ScalingConfig(num_workers=(lo, hi) if elastic else hi,
-                                     use_gpu=c.use_gpu, resources_per_worker=resources,
-                                     elastic_resize_monitor_interval_s=c.elastic_resize_monitor_interval_s),
-        run_config=RunConfig(
+        scaling_config=scaling,
+        run_config=ray.train.RunConfig(
             name=c.run_name,
             storage_path=c.storage_path,
             # Each worker death, node loss or graceful drain (the drained group raises
             # cluster.elastic.DrainedError so that Ray restarts it) counts one failure.
-            failure_config=FailureConfig(max_failures=c.max_failures),
+            failure_config=ray.train.FailureConfig(max_failures=c.max_failures),
             # Applies to Ray's pointer folders only (cluster/ray_checkpoint.py); the loop prunes
             # the real checkpoints with the same count.
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            callbacks=[SigtermCallback()] + (
-                [ClusterView(c.elastic_resize_monitor_interval_s, lo)] if elastic else []),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            callbacks=[SigtermCallback()]
+            + ([ClusterView(c.elastic_resize_monitor_interval_s, lo)] if elastic else []),
         ),
-        torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo",
-                                 timeout_s=int(math.ceil(c.pg_timeout_s))),
+        torch_config=ray.train.torch.TorchConfig(
+            backend="nccl" if c.use_gpu else "gloo", timeout_s=int(math.ceil(c.pg_timeout_s))
+        ),
     )

@@ -1,4 +1,5 @@
-"""Compare the runs of a sweep: a table and plots, printed, written to a folder, logged to the parent.
+"""Compare the runs of a sweep: a table and plots, printed, written to a folder, logged to the
+parent.
 
     python -m cluster.report elastic-fsdp                       # the newest sweep of an experiment
     python -m cluster.report 3f2a...c1 --out report/            # a sweep's parent run id
@@ -12,6 +13,7 @@ also the device's max allocated, activations included), bytes moved per step per
 Plots: loss against step for every run, tokens/s by strategy, memory by strategy. An experiment
 without sweeps is reported run by run (there is then no parent to log to).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from cluster.tracking import resolve_tracking_uri
+
 PLOT_SIZE_PX = (800, 500)
 """(width, height) of every PNG the report writes: 8 x 5 inches at 100 dpi."""
 PLOT_DPI = 100
-REPORT_FILES = ("report.txt", "report.csv", "loss_vs_step.png", "tokens_per_s_by_strategy.png",
-                "memory_by_strategy.png")
+REPORT_FILES = (
+    "report.txt",
+    "report.csv",
+    "loss_vs_step.png",
+    "tokens_per_s_by_strategy.png",
+    "memory_by_strategy.png",
+)
 MiB = 2**20
 
 
@@ -44,7 +53,8 @@ class RunSummary:
     peak_memory_bytes: float
     """The engine's accounted peak (parameters, gradients, optimizer state, gathered buffers)."""
     device_peak_bytes: float
-    """torch.cuda.max_memory_allocated on GPU runs (everything, activations included); NaN on CPU."""
+    """torch.cuda.max_memory_allocated on GPU runs (everything, activations included); NaN on
+    CPU."""
     bytes_per_step: float
     final_loss: float
     loss_curve: list = field(default_factory=list)  # [(step, loss)]
@@ -60,6 +70,7 @@ class Report:
 
 # ---- which runs ------------------------------------------------------------------------------
 
+
 def find_runs(client, target: str) -> tuple[Optional[object], list]:
     """(parent run or None, its child runs in job order) for a parent run id or an experiment
     name (its newest sweep; all its runs if it has none). ValueError says what was not found."""
@@ -67,16 +78,21 @@ def find_runs(client, target: str) -> tuple[Optional[object], list]:
     if run is not None:
         children = child_runs(client, run)
         if not children:
-            raise ValueError(f"run {target} has no child runs: pass a sweep's parent run id or an "
-                             "experiment name")
+            raise ValueError(
+                f"run {target} has no child runs: pass a sweep's parent run id or an "
+                "experiment name"
+            )
         return run, children
     experiment = client.get_experiment_by_name(target)
     if experiment is None:
         names = sorted(e.name for e in client.search_experiments())
-        raise ValueError(f"no run id or experiment named {target!r} in {client.tracking_uri}; "
-                         f"experiments there: {', '.join(names) or 'none'}")
-    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"],
-                              max_results=5000)
+        raise ValueError(
+            f"no run id or experiment named {target!r} in {client.tracking_uri}; "
+            f"experiments there: {', '.join(names) or 'none'}"
+        )
+    runs = client.search_runs(
+        [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=5000
+    )
     parent_ids = {r.data.tags.get("mlflow.parentRunId") for r in runs} - {None}
     parents = [r for r in runs if r.info.run_id in parent_ids]
     if parents:
@@ -87,7 +103,7 @@ def find_runs(client, target: str) -> tuple[Optional[object], list]:
 
 
 def _run_or_none(client, run_id: str):
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: seconds to import
 
     try:
         return client.get_run(run_id)
@@ -97,13 +113,16 @@ def _run_or_none(client, run_id: str):
 
 def child_runs(client, parent) -> list:
     """Children of `parent`, in job order (sweep.job tag, then start time)."""
-    runs = client.search_runs([parent.info.experiment_id],
-                              filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
-                              max_results=5000)
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+        max_results=5000,
+    )
     return sorted(runs, key=lambda r: (int(r.data.tags.get("sweep.job", 10**9)), r.info.start_time))
 
 
 # ---- what each run did -----------------------------------------------------------------------
+
 
 def summarize(client, run) -> RunSummary:
     def history(key: str) -> list[tuple[int, float]]:
@@ -112,15 +131,21 @@ def summarize(client, run) -> RunSummary:
     loss = history("train/loss")
     tags = run.data.tags
     return RunSummary(
-        run_id=run.info.run_id, name=run.info.run_name or run.info.run_id[:8],
-        status=run.info.status, strategy=tags.get("strategy", "?"),
+        run_id=run.info.run_id,
+        name=run.info.run_name or run.info.run_id[:8],
+        status=run.info.status,
+        strategy=tags.get("strategy", "?"),
         world_size=tags.get("world_size", "?"),
-        tokens_per_s=steady(history("perf/tokens_per_s")), step_ms=steady(history("perf/step_ms")),
+        tokens_per_s=steady(history("perf/tokens_per_s")),
+        step_ms=steady(history("perf/step_ms")),
         peak_memory_bytes=max((v for _, v in history("mem/peak_total_bytes")), default=math.nan),
-        device_peak_bytes=max((v for _, v in history("mem/device_max_allocated_bytes")),
-                              default=math.nan),
+        device_peak_bytes=max(
+            (v for _, v in history("mem/device_max_allocated_bytes")), default=math.nan
+        ),
         bytes_per_step=steady(history("comm/total_bytes")),
-        final_loss=loss[-1][1] if loss else math.nan, loss_curve=loss)
+        final_loss=loss[-1][1] if loss else math.nan,
+        loss_curve=loss,
+    )
 
 
 def steady(points: Sequence[tuple[int, float]]) -> float:
@@ -131,8 +156,17 @@ def steady(points: Sequence[tuple[int, float]]) -> float:
 
 # ---- the table -------------------------------------------------------------------------------
 
-COLUMNS = ("run", "strategy", "world", "tokens/s", "step ms", "peak mem MiB", "MiB moved/step",
-           "final loss", "status")
+COLUMNS = (
+    "run",
+    "strategy",
+    "world",
+    "tokens/s",
+    "step ms",
+    "peak mem MiB",
+    "MiB moved/step",
+    "final loss",
+    "status",
+)
 DEVICE_COLUMN = "device peak MiB"
 
 
@@ -143,12 +177,25 @@ def format_table(rows: list[RunSummary]) -> str:
     cells = [head]
     for r in rows:
         device = (_num(r.device_peak_bytes / MiB, ".1f"),) if with_device else ()
-        cells.append((r.name, r.strategy, r.world_size, _num(r.tokens_per_s, ",.0f"),
-                      _num(r.step_ms, ".1f"), _num(r.peak_memory_bytes / MiB, ".2f"), *device,
-                      _num(r.bytes_per_step / MiB, ".2f"), _num(r.final_loss, ".4f"), r.status))
+        cells.append(
+            (
+                r.name,
+                r.strategy,
+                r.world_size,
+                _num(r.tokens_per_s, ",.0f"),
+                _num(r.step_ms, ".1f"),
+                _num(r.peak_memory_bytes / MiB, ".2f"),
+                *device,
+                _num(r.bytes_per_step / MiB, ".2f"),
+                _num(r.final_loss, ".4f"),
+                r.status,
+            )
+        )
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
 
@@ -157,8 +204,19 @@ def _num(value: float, spec: str) -> str:
     return "-" if value is None or math.isnan(value) else format(value, spec)
 
 
-CSV_FIELDS = ("run_id", "name", "strategy", "world_size", "tokens_per_s", "step_ms",
-              "peak_memory_bytes", "device_peak_bytes", "bytes_per_step", "final_loss", "status")
+CSV_FIELDS = (
+    "run_id",
+    "name",
+    "strategy",
+    "world_size",
+    "tokens_per_s",
+    "step_ms",
+    "peak_memory_bytes",
+    "device_peak_bytes",
+    "bytes_per_step",
+    "final_loss",
+    "status",
+)
 
 
 def write_csv(rows: list[RunSummary], path: Path) -> None:
@@ -171,28 +229,37 @@ def write_csv(rows: list[RunSummary], path: Path) -> None:
 
 # ---- the plots -------------------------------------------------------------------------------
 
+
 def _figure():
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 -- matplotlib costs a second to import: only to plot
 
     matplotlib.use("Agg")  # no display on a cluster head or in CI
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- after matplotlib.use("Agg")
 
-    return plt, plt.figure(figsize=(PLOT_SIZE_PX[0] / PLOT_DPI, PLOT_SIZE_PX[1] / PLOT_DPI),
-                           dpi=PLOT_DPI)
+    return plt, plt.figure(
+        figsize=(PLOT_SIZE_PX[0] / PLOT_DPI, PLOT_SIZE_PX[1] / PLOT_DPI), dpi=PLOT_DPI
+    )
 
 
 def plot_loss_curves(curves: dict[str, list[tuple[int, float]]], path: str, title: str) -> str:
     """One line per run: train/loss against the global optimizer step."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 -- matplotlib: only to plot
 
     plt, fig = _figure()
     ax = fig.add_subplot()
-    styles = ("-", "--", "-.", ":")  # strategies in fp32 give the same losses: keep each line visible
+    # Strategies in fp32 give the same losses: keep each line visible.
+    styles = ("-", "--", "-.", ":")
     for i, (label, points) in enumerate(curves.items()):
         if points:
-            ax.plot([s for s, _ in points], [v for _, v in points], styles[i % len(styles)],
-                    label=label, linewidth=1.8, marker="o" if len(points) <= 30 else None,
-                    markersize=3)
+            ax.plot(
+                [s for s, _ in points],
+                [v for _, v in points],
+                styles[i % len(styles)],
+                label=label,
+                linewidth=1.8,
+                marker="o" if len(points) <= 30 else None,
+                markersize=3,
+            )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("train/loss")
@@ -233,20 +300,32 @@ def bar_labels(rows: list[RunSummary]) -> list[str]:
 def write_plots(rows: list[RunSummary], out: Path) -> list[str]:
     labels = bar_labels(rows)
     return [
-        plot_loss_curves({r.name: r.loss_curve for r in rows}, str(out / "loss_vs_step.png"),
-                         "train/loss by run"),
-        plot_bars(labels, [r.tokens_per_s for r in rows], "tokens/s (median)",
-                  "throughput by strategy", str(out / "tokens_per_s_by_strategy.png")),
-        plot_bars(labels, [r.peak_memory_bytes / MiB for r in rows], "peak memory per rank, MiB",
-                  "memory by strategy (mem/peak_total_bytes)", str(out / "memory_by_strategy.png")),
+        plot_loss_curves(
+            {r.name: r.loss_curve for r in rows}, str(out / "loss_vs_step.png"), "train/loss by run"
+        ),
+        plot_bars(
+            labels,
+            [r.tokens_per_s for r in rows],
+            "tokens/s (median)",
+            "throughput by strategy",
+            str(out / "tokens_per_s_by_strategy.png"),
+        ),
+        plot_bars(
+            labels,
+            [r.peak_memory_bytes / MiB for r in rows],
+            "peak memory per rank, MiB",
+            "memory by strategy (mem/peak_total_bytes)",
+            str(out / "memory_by_strategy.png"),
+        ),
     ]
 
 
 # ---- all of it -------------------------------------------------------------------------------
 
+
 def write_report(tracking_uri: str, target: str, out_dir: str) -> Report:
     """Print the table, write table, CSV and plots to out_dir, log them to the parent run."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
 
     client = MlflowClient(tracking_uri)
     parent, children = find_runs(client, target)
@@ -254,8 +333,11 @@ def write_report(tracking_uri: str, target: str, out_dir: str) -> Report:
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(rows)
-    head = (f"sweep {parent.info.run_name!r} (parent run {parent.info.run_id})" if parent
-            else f"experiment {target!r}")
+    head = (
+        f"sweep {parent.info.run_name!r} (parent run {parent.info.run_id})"
+        if parent
+        else f"experiment {target!r}"
+    )
     (out / "report.txt").write_text(f"{head}\n\n{table}\n")
     write_csv(rows, out / "report.csv")
     files = [str(out / "report.txt"), str(out / "report.csv"), *write_plots(rows, out)]
@@ -263,32 +345,44 @@ def write_report(tracking_uri: str, target: str, out_dir: str) -> Report:
     if parent is not None:
         for path in files:
             client.log_artifact(parent.info.run_id, path, artifact_path="report")
-    print(f"report: {out} ({', '.join(Path(f).name for f in files)})"
-          + (f", also logged to run {parent.info.run_id} under report/" if parent else ""),
-          flush=True)
+    print(
+        f"report: {out} ({', '.join(Path(f).name for f in files)})"
+        + (f", also logged to run {parent.info.run_id} under report/" if parent else ""),
+        flush=True,
+    )
     return Report(parent.info.run_id if parent else None, rows, table, files)
 
 
 def tracking_uri_for(arg: Optional[str]) -> str:
     """--tracking-uri, else MLFLOW_TRACKING_URI, else ./mlflow.db; a missing sqlite file is an
     error (MLflow would create an empty store and report that nothing is there)."""
-    from trainer.metrics import resolve_tracking_uri
-
     uri = resolve_tracking_uri(arg or "sqlite:///mlflow.db", os.getcwd(), use_env=not arg)
-    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    path = uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
     if path and path != ":memory:" and not Path(path).exists():
-        raise FileNotFoundError(f"no MLflow store at {path}; valid: the sqlite file the runs were "
-                                "logged to (--tracking-uri sqlite:////abs/mlflow.db) or a server URI")
+        raise FileNotFoundError(
+            f"no MLflow store at {path}; valid: the sqlite file the runs were "
+            "logged to (--tracking-uri sqlite:////abs/mlflow.db) or a "
+            "server URI"
+        )
     return uri
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.report", description=__doc__.split("\n")[0])
-    parser.add_argument("target", metavar="EXPERIMENT_OR_PARENT_RUN",
-                        help="an experiment name (its newest sweep) or a sweep's parent run id")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
-    parser.add_argument("--out", default="report", help="folder for the table and plots (default: ./report)")
+    first_paragraph = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(prog="python -m cluster.report", description=first_paragraph)
+    parser.add_argument(
+        "target",
+        metavar="EXPERIMENT_OR_PARENT_RUN",
+        help="an experiment name (its newest sweep) or a sweep's parent run id",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
+    )
+    parser.add_argument(
+        "--out", default="report", help="folder for the table and plots (default: ./report)"
+    )
     args = parser.parse_args(argv)
     try:
         write_report(tracking_uri_for(args.tracking_uri), args.target, args.out)

@@ -2,13 +2,14 @@
 
     python -m cluster.train -m sharding=full_shard,shard_grad_op,no_shard,hybrid_shard
     python -m cluster.train -m sharding=full_shard,no_shard sharding.param_dtype=float32,bfloat16 \
-        hydra.sweep.dir=/mnt/cluster_storage/sweeps/dtype     # the sweep's outputs on shared storage
+        hydra.sweep.dir=/mnt/cluster_storage/sweeps/dtype  # the sweep's outputs on shared storage
 
 Hydra's basic launcher runs the jobs one after another in this process; `SweepCallback`
 (conf/config.yaml, hydra.callbacks) wraps them:
 - before the first job, every job's config is composed exactly as Hydra will compose it and put
-  through the same checks as a single run (`job_config`): one bad value in any job stops the sweep
-  before Ray or MLflow start, naming the job, the key, the value and what is valid;
+  through the same checks as a single run (cluster.config.checked_config): one bad value in any
+  job stops the sweep before Ray or MLflow start, naming the job, the key, the value and what is
+  valid;
 - Ray is started (or joined) once, sized for the largest job, and every job reuses it;
 - one MLflow parent run per sweep; each job's run is its child (cluster/train.py reads the
   parent's id from PARENT_RUN_ENV) and is named after the job's swept values;
@@ -19,11 +20,11 @@ Each job of a sweep gets its own Ray run name (`sweep_run_name`), so its checkpo
 with another job's: a job never resumes from its neighbour's checkpoint. Launching the same sweep
 again with the same hydra.sweep.dir resumes each job from its own checkpoints.
 """
+
 from __future__ import annotations
 
 import atexit
 import copy
-import dataclasses
 import hashlib
 import os
 import sys
@@ -31,17 +32,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobStatus
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config_schema import to_job_config
-from cluster.paths import with_absolute_paths
-from trainer.config import ConfigError, JobConfig, flatten
+from cluster.config import ConfigError, JobConfig, checked_config, flatten
+from cluster.ray_launch import connect_largest
+from cluster.report import write_report
+from cluster.tracking import create_sweep_run, end_run, run_tags, ui_command
+from trainer.metrics import MLflowLogger
 
 PARENT_RUN_ENV = "ELASTIC_FSDP_SWEEP_PARENT_RUN_ID"
-"""The sweep's parent MLflow run id, set by SweepCallback for the jobs (env: any launcher sees it)."""
+"""The sweep's parent MLflow run id, set by SweepCallback for the jobs (env: any launcher sees
+it)."""
 SWEPT_KEYS_ENV = "ELASTIC_FSDP_SWEEP_KEYS"
 """Comma-separated keys the sweep varies; a job's run is named after its values of these."""
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -63,17 +73,17 @@ class JobSlot:
 
 def current_slot() -> Optional[JobSlot]:
     """The running job's slot from HydraConfig, or None outside a multirun."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
     keys = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k]
     overrides = list(hydra_cfg.overrides.task)
-    return JobSlot(num=int(hydra_cfg.job.num), sweep_dir=os.path.abspath(hydra_cfg.sweep.dir),
-                   label=job_label(overrides, keys),
-                   parent_run_id=os.environ.get(PARENT_RUN_ENV) or None)
+    return JobSlot(
+        num=int(hydra_cfg.job.num),
+        sweep_dir=os.path.abspath(hydra_cfg.sweep.dir),
+        label=job_label(overrides, keys),
+        parent_run_id=os.environ.get(PARENT_RUN_ENV) or None,
+    )
 
 
 def job_label(overrides: list[str], swept: list[str]) -> str:
@@ -90,30 +100,12 @@ def sweep_run_name(run_name: str, slot: JobSlot) -> str:
     return f"{run_name}-sweep{digest}-{slot.num}"
 
 
-def job_config(dictcfg: DictConfig, launch_dir: str, slot: Optional[JobSlot]) -> JobConfig:
-    """The job as the workers will run it: typed, validated, its paths absolute, its run name
-    its own in a sweep. Raises ConfigError (or OmegaConf's error) naming the key and the value."""
-    from trainer.data import resolve_source
-
-    cfg = to_job_config(dictcfg).validate()
-    resolve_source(cfg.data.source)
-    if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
-        from trainer.plan import check_fits
-
-        check_fits(cfg, cfg.cluster.world_sizes[0], int(cfg.cluster.device_memory_gb * 2**30))
-    if slot is not None:
-        cluster = dataclasses.replace(cfg.cluster, run_name=sweep_run_name(cfg.cluster.run_name, slot))
-        cfg = dataclasses.replace(cfg, cluster=cluster)
-    return with_absolute_paths(cfg, launch_dir)
-
-
 # ---- the whole sweep, before its first job ----------------------------------------------------
+
 
 def planned_jobs(config: DictConfig) -> Optional[list[list[str]]]:
     """Each job's overrides, exactly as Hydra's BasicSweeper will launch them; None for another
     sweeper (its jobs are known only as it runs them)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-
     if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
         return None
     batches = BasicSweeper.split_arguments(_parsed_overrides(config), None)
@@ -131,9 +123,6 @@ def sweep_arguments(config: DictConfig) -> list[str]:
 
 
 def _parsed_overrides(config: DictConfig) -> list:
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
     arguments = [f"{k}={v}" for k, v in params.items()]
     arguments += list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
@@ -141,11 +130,11 @@ def _parsed_overrides(config: DictConfig) -> list:
     return parser.parse_overrides(arguments)
 
 
-def checked_jobs(config: DictConfig, jobs: list[list[str]], launch_dir: str,
-                 keys: list[str]) -> list[JobConfig]:
-    """Every job's JobConfig, or exit 2 listing every job that is invalid: nothing has started."""
-    from hydra.core.global_hydra import GlobalHydra
-
+def checked_jobs(
+    config: DictConfig, jobs: list[list[str]], launch_dir: str, keys: list[str]
+) -> list[JobConfig]:
+    """Every job's JobConfig, or exit 2 listing every job that is invalid: nothing has started.
+    Each job trains under its own run name (`sweep_run_name`)."""
     loader = GlobalHydra.instance().config_loader()
     sweep_dir = os.path.abspath(config.hydra.sweep.dir)
     cfgs, errors = [], []
@@ -153,15 +142,28 @@ def checked_jobs(config: DictConfig, jobs: list[list[str]], launch_dir: str,
         slot = JobSlot(num, sweep_dir, job_label(overrides, keys))
         try:
             composed = task_config(loader.load_sweep_config(config, list(overrides)))
-            cfgs.append(job_config(composed, launch_dir, slot))
+            run_name = sweep_run_name(composed.cluster.run_name, slot)
+            cfgs.append(checked_config(composed, launch_dir, run_name))
         except (ConfigError, HydraException, OmegaConfBaseException) as e:
-            message = str(e).split("\nConfig search path:")[0].rstrip()  # Hydra's search path: noise here
+            # Hydra's config search path is noise here
+            message = str(e).split("\nConfig search path:")[0].rstrip()
             errors.append(f"sweep job {num} ({slot.label or ' '.join(overrides)}): {message}")
     if errors:
         print("error: " + "\n\nerror: ".join(errors), file=sys.stderr)
-        print(f"\nnothing was started: {len(errors)} of {len(jobs)} jobs are invalid", file=sys.stderr)
+        print(
+            f"\nnothing was started: {len(errors)} of {len(jobs)} jobs are invalid", file=sys.stderr
+        )
         sys.exit(2)
     return cfgs
+
+
+def checked_jobs_of(dictcfgs: list[DictConfig], launch_dir: str) -> list[JobConfig]:
+    """JobConfigs of composed configs (no sweep slot), or exit 2 with the first error."""
+    try:
+        return [checked_config(d, launch_dir) for d in dictcfgs]
+    except (ConfigError, OmegaConfBaseException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def task_config(config: DictConfig) -> DictConfig:
@@ -178,24 +180,13 @@ def check_one_tracking(cfgs: list[JobConfig]) -> None:
     for key in ("enabled", "tracking_uri", "experiment"):
         values = sorted({str(getattr(c.tracking, key)) for c in cfgs})
         if len(values) > 1:
-            print(f"error: invalid config: tracking.{key} differs between the jobs of the sweep "
-                  f"({', '.join(values)}); valid: one value for every job (one parent run per "
-                  "sweep). Sweep experiments as separate launches.", file=sys.stderr)
+            print(
+                f"error: invalid config: tracking.{key} differs between the jobs of the sweep "
+                f"({', '.join(values)}); valid: one value for every job (one parent run per "
+                "sweep). Sweep experiments as separate launches.",
+                file=sys.stderr,
+            )
             sys.exit(2)
-
-
-def connect_largest(cfgs: list[JobConfig]) -> None:
-    """Start or join Ray once for the whole sweep, sized for its largest job (a local Ray started
-    for a 2-worker job would leave a later 4-worker job waiting for CPUs forever)."""
-    from cluster.ray_launch import connect, local_num_cpus
-
-    largest = max(cfgs, key=lambda c: local_num_cpus(c.cluster))
-    try:
-        connect(largest.cluster)
-    except ConnectionError as e:
-        print(f"error: cannot reach Ray (cluster.address={largest.cluster.address!r}, "
-              f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r}): {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 def shared_params(cfgs: list[JobConfig]) -> dict[str, object]:
@@ -205,11 +196,14 @@ def shared_params(cfgs: list[JobConfig]) -> dict[str, object]:
 
 
 def sweep_tags(config: DictConfig, cfgs: list[JobConfig], keys: list[str]) -> dict[str, str]:
-    from trainer.metrics import run_tags
-
-    tags = {"sweep.dir": os.path.abspath(config.hydra.sweep.dir), "sweep.keys": ",".join(keys),
-            "sweep.jobs": str(len(cfgs)),
-            "sweep.overrides": " ".join(OmegaConf.to_container(config.hydra.overrides.task))}
+    """The parent run's tags: the sweep's folder, keys and jobs, and the job tags every job
+    shares."""
+    tags = {
+        "sweep.dir": os.path.abspath(config.hydra.sweep.dir),
+        "sweep.keys": ",".join(keys),
+        "sweep.jobs": str(len(cfgs)),
+        "sweep.overrides": " ".join(OmegaConf.to_container(config.hydra.overrides.task)),
+    }
     per_job = [run_tags(c) for c in cfgs]
     for key in ("strategy", "world_size", "device", "model"):  # where every job agrees
         if len({t[key] for t in per_job}) == 1:
@@ -218,6 +212,7 @@ def sweep_tags(config: DictConfig, cfgs: list[JobConfig], keys: list[str]) -> di
 
 
 # ---- the Hydra callback ----------------------------------------------------------------------
+
 
 class SweepCallback(Callback):
     """Registered in conf/config.yaml (hydra.callbacks.sweep); does nothing in a plain run.
@@ -239,13 +234,17 @@ class SweepCallback(Callback):
         jobs = planned_jobs(config)
         if jobs is None:
             sweeper = OmegaConf.select(config, "hydra.sweeper._target_")
-            print(f"sweep: {sweeper} chooses its jobs as it goes: each job is checked as it "
-                  "starts, and the parent run takes the tracking settings of the command line")
+            print(
+                f"sweep: {sweeper} chooses its jobs as it goes: each job is checked as it "
+                "starts, and the parent run takes the tracking settings of the command line"
+            )
             cfgs = checked_jobs_of([task_config(config)], launch_dir)
         else:
             cfgs = checked_jobs(config, jobs, launch_dir, keys)
             self.expected_jobs = len(jobs)
-            print(f"sweep: {len(jobs)} jobs checked ({', '.join(keys) or 'no key'} swept)", flush=True)
+            print(
+                f"sweep: {len(jobs)} jobs checked ({', '.join(keys) or 'no key'} swept)", flush=True
+            )
         check_one_tracking(cfgs)
         connect_largest(cfgs)
         os.environ[SWEPT_KEYS_ENV] = ",".join(keys)
@@ -254,22 +253,25 @@ class SweepCallback(Callback):
             self.start_parent(config, cfgs, keys)
 
     def start_parent(self, config: DictConfig, cfgs: list[JobConfig], keys: list[str]) -> None:
-        from trainer import metrics
-
         tracking = cfgs[0].tracking
         name = "sweep " + (" ".join(sweep_arguments(config)) or Path(self.sweep_dir).name)
         self.tracking_uri = tracking.tracking_uri
-        self.parent_run_id = metrics.create_sweep_run(
-            tracking.tracking_uri, tracking.experiment, name, shared_params(cfgs),
-            sweep_tags(config, cfgs, keys))
+        self.parent_run_id = create_sweep_run(
+            tracking.tracking_uri,
+            tracking.experiment,
+            name,
+            shared_params(cfgs),
+            sweep_tags(config, cfgs, keys),
+        )
         os.environ[PARENT_RUN_ENV] = self.parent_run_id
         atexit.register(self.abandon)
-        print(f"mlflow: sweep parent run {self.parent_run_id} in experiment "
-              f"'{tracking.experiment}' at {tracking.tracking_uri}", flush=True)
+        print(
+            f"mlflow: sweep parent run {self.parent_run_id} in experiment "
+            f"'{tracking.experiment}' at {tracking.tracking_uri}",
+            flush=True,
+        )
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from hydra.core.utils import JobStatus
-
         if self.parent_run_id is None:
             return
         self.ended_jobs += 1
@@ -277,8 +279,11 @@ class SweepCallback(Callback):
             self.failed_jobs.append(int(config.hydra.job.num))
             error = job_return._return_value  # .return_value would raise it here
             first_line = (str(error).strip().splitlines() or [""])[0]
-            print(f"sweep: job {config.hydra.job.num} failed: {type(error).__name__}: {first_line}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"sweep: job {config.hydra.job.num} failed: {type(error).__name__}: {first_line}",
+                file=sys.stderr,
+                flush=True,
+            )
         # Hydra raises a failed job's error only after the last job ends, and then never calls
         # on_multirun_end: the sweep is summed up after its last job, here.
         if self.expected_jobs is not None and self.ended_jobs == self.expected_jobs:
@@ -294,39 +299,31 @@ class SweepCallback(Callback):
             return
         run_id, self.parent_run_id = self.parent_run_id, None
         os.environ.pop(PARENT_RUN_ENV, None)
-        from cluster.report import write_report
-        from trainer import metrics
-
         try:
             multirun_yaml = Path(self.sweep_dir) / "multirun.yaml"
             if multirun_yaml.exists():
-                metrics.MLflowLogger(self.tracking_uri, run_id).log_artifact(str(multirun_yaml))
+                MLflowLogger(self.tracking_uri, run_id).log_artifact(str(multirun_yaml))
             print()
             write_report(self.tracking_uri, run_id, str(Path(self.sweep_dir) / "report"))
-        except Exception as e:  # the runs are in MLflow whatever the report does; say why it is missing
-            print(f"sweep: the comparison report failed ({type(e).__name__}: {e}); run "
-                  f"`python -m cluster.report {run_id} --tracking-uri {self.tracking_uri}`",
-                  file=sys.stderr, flush=True)
+        except Exception as e:  # the runs are in MLflow whatever the report does: say why not
+            print(
+                f"sweep: the comparison report failed ({type(e).__name__}: {e}); run "
+                f"`python -m cluster.report {run_id} --tracking-uri {self.tracking_uri}`",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
-            metrics.end_run(self.tracking_uri, run_id, ok=not self.failed_jobs)
+            end_run(self.tracking_uri, run_id, ok=not self.failed_jobs)
         state = f"FAILED (jobs {self.failed_jobs} failed)" if self.failed_jobs else "FINISHED"
-        print(f"mlflow: sweep parent run {run_id} {state}; compare its runs with: "
-              f"{metrics.ui_command(self.tracking_uri)}", flush=True)
+        print(
+            f"mlflow: sweep parent run {run_id} {state}; compare its runs with: "
+            f"{ui_command(self.tracking_uri)}",
+            flush=True,
+        )
 
     def abandon(self) -> None:
         """At exit with the parent still open (interrupted, or a job exited the process)."""
         if self.parent_run_id is None:
             return
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(self.tracking_uri).set_terminated(self.parent_run_id, "KILLED")
+        end_run(self.tracking_uri, self.parent_run_id, ok=False, status="KILLED")
         self.parent_run_id = None
-
-
-def checked_jobs_of(dictcfgs: list[DictConfig], launch_dir: str) -> list[JobConfig]:
-    """JobConfigs of composed configs (no sweep slot), or exit 2 with the first error."""
-    try:
-        return [job_config(d, launch_dir, None) for d in dictcfgs]
-    except (ConfigError, OmegaConfBaseException) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -3,9 +3,10 @@
 Ray Train's TorchTrainer has already joined this process to the default torch.distributed group
 (gloo on CPU, NCCL on GPU) before this function starts. Every start of the worker group (the
 first, and each restart after a failure or a resize) runs this function again at the group's
-world size; the loop resumes from the newest checkpoint, and cluster/elastic.py adds the fault
+world size; the loop resumes from the newest checkpoint, and cluster/elastic/ adds the fault
 drills, the graceful drain and the elastic/* metrics.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,9 +14,9 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from cluster.job_codec import job_from_dict
+from cluster.config import job_from_dict
 from cluster.ray_checkpoint import read_pointer, report_checkpoint
-from trainer.metrics import MetricsLogger, MLflowLogger, NullLogger, print0
+from trainer.metrics import MetricsLogger, MLflowLogger, NullLogger, print0, start_system_metrics
 
 
 @dataclass
@@ -35,11 +36,24 @@ def worker_config(job: dict, launch: LaunchInfo) -> dict:
     return {"job": job, "launch": asdict(launch)}
 
 
+def assigned_device(use_gpu: bool):
+    """The GPU Ray assigned to this worker (Ray knows which visible GPU is whose); None on CPU
+    workers, where the loop's resolver (trainer/device.py) decides from cfg.train.device."""
+    if not use_gpu:
+        return None
+    import ray.train.torch  # noqa: PLC0415 -- GPU workers only
+
+    return ray.train.torch.get_device()
+
+
 def train_loop_per_worker(config: dict) -> None:
     entered = time.time()
-    import ray.train
-    from cluster import elastic
-    from trainer.loop import WorkerContext, run_training
+    # The driver imports this module too, and must not pay for ray and torch (seconds) before a
+    # config is checked; here the imports are timed (ElasticTracker's imports_s).
+    import ray.train  # noqa: PLC0415 -- ray: seconds to import, and timed here
+
+    from cluster import elastic  # noqa: PLC0415 -- imports ray
+    from trainer.loop import WorkerContext, run_training  # noqa: PLC0415 -- imports torch
 
     cfg = job_from_dict(config["job"])
     launch = LaunchInfo(**config["launch"])
@@ -47,7 +61,11 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     folder = elastic.RunFolder.of_ray_run(context.get_storage())
     logger = make_logger(rank, cfg.tracking.tracking_uri, launch.mlflow_run_id)
-    times = {"context": elastic.WORKER_TIMES.get("context"), "entered": entered, "imported": time.time()}
+    times = {
+        "context": elastic.WORKER_TIMES.get("context"),
+        "entered": entered,
+        "imported": time.time(),
+    }
     tracker = elastic.ElasticTracker(folder, rank, world_size, launch.launch_id, times)
     drain = elastic.DrainWatcher(rank, preemption_info=elastic.preemption_notice())
     announce_resume(ray.train.get_checkpoint())
@@ -64,9 +82,11 @@ def train_loop_per_worker(config: dict) -> None:
         on_checkpoint=report_checkpoint,
         should_stop=drain,
         logger=logger,
-        device=worker_device(cfg.cluster.use_gpu),
-        fault=elastic.chain(tracker.before_step, elastic.FaultInjector(cfg.fault, rank, folder)),
-        on_step=tracker.on_step,
+        device=assigned_device(cfg.cluster.use_gpu),
+        before_step=elastic.chain(
+            tracker.before_step, elastic.FaultInjector(cfg.fault, rank, folder)
+        ),
+        after_step=tracker.on_step,
     )
     monitor = start_node_metrics(context, cfg, launch)
     try:
@@ -78,20 +98,24 @@ def train_loop_per_worker(config: dict) -> None:
             monitor.finish()
     if result.steps_done < cfg.train.steps:  # the loop only returns early when asked to stop
         tracker.left(result.steps_done)
-        elastic.leave(drain, f"rank {rank} left at step {result.steps_done} of {cfg.train.steps} "
-                             f"({drain.reason or 'another rank was asked to stop'}) after committing "
-                             f"{result.last_checkpoint}; Ray Train restarts the worker group from it")
+        elastic.leave(
+            drain,
+            f"rank {rank} left at step {result.steps_done} of {cfg.train.steps} "
+            f"({drain.reason or 'another rank was asked to stop'}) after "
+            f"committing {result.last_checkpoint}; Ray Train restarts the worker "
+            "group from it",
+        )
 
 
 def start_node_metrics(context, cfg, launch: LaunchInfo):
     """MLflow system metrics of this node (system/<node ip>/...), from its local rank 0 only."""
     if context.get_local_rank() != 0 or not launch.mlflow_run_id:
         return None
-    import ray
-    from trainer.metrics import start_system_metrics
+    import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
 
-    return start_system_metrics(cfg.tracking.tracking_uri, launch.mlflow_run_id,
-                                node_id=ray.util.get_node_ip_address())
+    return start_system_metrics(
+        cfg.tracking.tracking_uri, launch.mlflow_run_id, node_id=ray.util.get_node_ip_address()
+    )
 
 
 def make_logger(rank: int, tracking_uri: str, run_id: Optional[str]) -> MetricsLogger:
@@ -103,13 +127,6 @@ def make_logger(rank: int, tracking_uri: str, run_id: Optional[str]) -> MetricsL
 def announce_resume(ray_checkpoint) -> None:
     pointer = read_pointer(ray_checkpoint)
     if pointer:
-        print0(f"Ray's latest reported checkpoint: step {pointer['step']} at {pointer['checkpoint']}")
-
-
-def worker_device(use_gpu: bool):
-    """The GPU Ray assigned to this worker; None lets the loop follow cfg.train.device."""
-    if not use_gpu:
-        return None
-    import ray.train.torch
-
-    return ray.train.torch.get_device()
+        print0(
+            f"Ray's latest reported checkpoint: step {pointer['step']} at {pointer['checkpoint']}"
+        )

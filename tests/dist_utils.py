@@ -6,6 +6,7 @@ the ranks of each world size live in a pool for the whole test session: `run_dis
 returns their results ordered by rank. A failure or a hang discards the pool (the next call
 spawns a fresh one), so one broken test cannot leak state into the next.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -26,6 +27,7 @@ def free_port() -> int:
 def _to_numpy(obj):
     """Tensors cross the queue as numpy arrays: torch's queue sharing needs the child alive."""
     import torch
+
     if torch.is_tensor(obj):
         t = obj.detach()
         return ("__tensor__", (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy())
@@ -38,6 +40,7 @@ def _to_numpy(obj):
 
 def _to_torch(obj):
     import torch
+
     if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__tensor__":
         return torch.from_numpy(obj[1])
     if isinstance(obj, dict):
@@ -48,8 +51,14 @@ def _to_torch(obj):
 
 
 def _rank_main(rank, world_size, port, inbox, outbox):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     import torch
     import torch.distributed as dist
 
@@ -74,8 +83,14 @@ class RankPool:
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
-        self.procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, self.inboxes[r], self.outbox),
-                                  daemon=True) for r in range(world_size)]
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world_size, port, self.inboxes[r], self.outbox),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -90,7 +105,9 @@ class RankPool:
             except queue_mod.Empty:
                 if errors:
                     break
-                raise TimeoutError(f"{fn.__name__} on {self.world_size} ranks: no answer in {timeout} s")
+                raise TimeoutError(
+                    f"{fn.__name__} on {self.world_size} ranks: no answer in {timeout} s"
+                )
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{value}")
             results[rank] = value

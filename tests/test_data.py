@@ -1,4 +1,5 @@
 """trainer/data.py: sources, one-time atomic preparation, and the world-size-invariant order."""
+
 from __future__ import annotations
 
 import os
@@ -10,11 +11,19 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, DataConfig
-from trainer.data import (MANIFEST, Batcher, GlobalSampler, global_tokens_per_step, load_tokens,
-                          prepare, rank_range, resolve_source)
-
+from trainer.data import (
+    MANIFEST,
+    Batcher,
+    GlobalSampler,
+    global_tokens_per_step,
+    load_tokens,
+    prepare,
+    rank_range,
+    resolve_source,
+)
 
 # ----------------------------------------------------------------------------- sources, prepare
+
 
 @pytest.fixture
 def corpus(tmp_path):
@@ -94,7 +103,8 @@ def test_prepare_is_idempotent_and_redoes_work_when_inputs_change(corpus, tmp_pa
 
 
 def test_a_crash_mid_prepare_leaves_nothing_loadable_and_a_rerun_completes(
-        corpus, tmp_path, monkeypatch):
+    corpus, tmp_path, monkeypatch
+):
     cfg = DataConfig(source=str(corpus), prepared_dir=str(tmp_path / "prep"), max_bytes=0)
     real_write, calls = pq.write_table, []
 
@@ -137,8 +147,9 @@ def test_concurrent_prepares_of_the_same_data_both_succeed(corpus, tmp_path):
     for t in threads:
         t.join()
     assert errors == []
-    np.testing.assert_array_equal(load_tokens(str(tmp_path / "prep")),
-                                  expected_stream(resolve_source(str(corpus))))
+    np.testing.assert_array_equal(
+        load_tokens(str(tmp_path / "prep")), expected_stream(resolve_source(str(corpus)))
+    )
 
 
 def test_prepare_accepts_a_pyarrow_uri(corpus, tmp_path):
@@ -150,6 +161,7 @@ def test_prepare_accepts_a_pyarrow_uri(corpus, tmp_path):
 
 
 # ----------------------------------------------------------------------------- order
+
 
 def test_sampler_order_is_a_function_of_seed_and_epoch_only():
     a, b = GlobalSampler(50, seed=3), GlobalSampler(50, seed=3)
@@ -206,15 +218,16 @@ def test_micro_batch_holds_the_sample_windows_shifted_by_one():
     mb = Batcher(tokens, seq_len, seed=0, global_batch=6).micro_batches(2, 1, 2, 1)[0]
     assert mb.inputs.dtype == torch.int64 and mb.inputs.shape == (3, seq_len)
     for row, i in enumerate(mb.sample_ids):
-        window = torch.from_numpy(tokens[i * seq_len:i * seq_len + seq_len + 1].astype(np.int64))
+        window = torch.from_numpy(tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64))
         assert torch.equal(mb.inputs[row], window[:-1]) and torch.equal(mb.targets[row], window[1:])
 
 
 def test_every_sample_is_consumed_once_per_epoch_across_resizes():
     batcher = Batcher(tokens_for(50, 8), seq_len=8, seed=7, global_batch=7)
     schedule = [(0, 4), (1, 4), (2, 4), (3, 3), (4, 3), (5, 3), (6, 2), (7, 2), (8, 2)]
-    stream = np.concatenate([step_samples(batcher, step, world, n_micro=2)[0]
-                             for step, world in schedule])
+    stream = np.concatenate(
+        [step_samples(batcher, step, world, n_micro=2)[0] for step, world in schedule]
+    )
     assert len(stream) == 63
     np.testing.assert_array_equal(np.sort(stream[:50]), np.arange(50))  # epoch 0: each once
     assert len(set(stream[50:])) == 13  # epoch 1 so far: no repeats

@@ -4,6 +4,7 @@ A run that stops at step 4 at world size 2 and resumes at world size 3 (then 1) 
 same steps with the same losses (1e-5 relative, fp32) as a run that never stopped: the global batch
 is constant, the data position is the step, and the checkpoint reshards.
 """
+
 import contextlib
 import copy
 import io
@@ -11,7 +12,7 @@ import io
 import pytest
 
 from tests.dist_utils import run_distributed
-from trainer.config import ConfigError, JobConfig
+from trainer.config import ConfigError, TrainerConfig
 from trainer.data import prepare
 
 STEPS = 8
@@ -19,6 +20,7 @@ STEPS = 8
 
 def _train(rank, world, cfg, root, stop_at):
     from trainer.loop import WorkerContext, run_training
+
     stop = (lambda: trainer_step[0] >= stop_at) if stop_at is not None else None
     trainer_step = [0]
 
@@ -27,17 +29,30 @@ def _train(rank, world, cfg, root, stop_at):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        r = run_training(cfg, WorkerContext(rank=rank, world_size=world, checkpoint_root=root,
-                                            should_stop=stop, fault=fault))
+        r = run_training(
+            cfg,
+            WorkerContext(
+                rank=rank,
+                world_size=world,
+                checkpoint_root=root,
+                should_stop=stop,
+                before_step=fault,
+            ),
+        )
     print(out.getvalue(), end="")
-    return dict(losses=r.losses, start=r.start_step, steps=r.steps_done, last=r.last_checkpoint,
-                printed=out.getvalue())
+    return dict(
+        losses=r.losses,
+        start=r.start_step,
+        steps=r.steps_done,
+        last=r.last_checkpoint,
+        printed=out.getvalue(),
+    )
 
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
-    c = JobConfig()
+    c = TrainerConfig()
     c.model.dim, c.model.n_layers, c.model.n_heads, c.model.ffn_dim = 64, 2, 4, 160
     c.data.max_bytes, c.data.prepared_dir, c.data.seq_len = 300_000, str(d / "prep"), 32
     c.train.steps, c.train.global_batch_size, c.train.checkpoint_every = STEPS, 6, 3
@@ -85,7 +100,8 @@ def _flip_a_byte(path):
 
 
 def test_a_corrupt_shard_on_one_rank_makes_every_rank_fall_back_to_the_previous_checkpoint(
-        cfg, uninterrupted, tmp_path):
+    cfg, uninterrupted, tmp_path
+):
     root = tmp_path / "ckpt"
     first = run_distributed(_train, 2, cfg, str(root), 6)[0]  # checkpoints at steps 3 and 6
     assert first["last"].endswith("step_000000006")
@@ -93,7 +109,9 @@ def test_a_corrupt_shard_on_one_rank_makes_every_rank_fall_back_to_the_previous_
     rank0, rank1 = run_distributed(_train, 2, cfg, str(root), None)
     second = rank0
     assert second["start"] == 3, "rank 0 could read step 6 alone; all ranks must fall back together"
-    assert "step_000000006 is unusable" in rank1["printed"] and "checksum mismatch" in rank1["printed"]
+    assert (
+        "step_000000006 is unusable" in rank1["printed"] and "checksum mismatch" in rank1["printed"]
+    )
     assert "falling back to an older one" in rank0["printed"]
     for step, loss in second["losses"]:
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step

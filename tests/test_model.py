@@ -1,20 +1,23 @@
 """trainer/model.py: shapes, causality, meta construction, deterministic per-unit init, counts."""
+
 from __future__ import annotations
 
-import dataclasses
 import math
-import pathlib
 
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 
-from trainer.config import ConfigError, ModelConfig
-from trainer.model import (PRESETS, RotaryEmbedding, Transformer, build_model, count_params,
-                           flops_per_token, init_parameters, loss_sum, model_config)
-
-CONF = pathlib.Path(__file__).resolve().parents[1] / "conf" / "model"
+from trainer.config import PRESETS, ConfigError, ModelConfig, model_config
+from trainer.model import (
+    RotaryEmbedding,
+    Transformer,
+    build_model,
+    count_params,
+    flops_per_token,
+    init_parameters,
+    loss_sum,
+)
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -116,9 +119,20 @@ def test_meta_construction_of_8b_allocates_nothing_and_counts_8_03e9():
 
 def test_module_names_are_stable_and_bias_free():
     names = {n for n, _ in build_model(small_gqa()).named_parameters()}
-    block = {f"layers.0.{s}.weight" for s in (
-        "attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo",
-        "ffn_norm", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+    block = {
+        f"layers.0.{s}.weight"
+        for s in (
+            "attention_norm",
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "ffn_norm",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+        )
+    }
     assert block <= names
     assert {"tok_embeddings.weight", "norm.weight", "output.weight"} <= names
     assert all(n.endswith(".weight") for n in names)
@@ -218,13 +232,6 @@ def test_loss_sum_is_fp32_token_sum_and_weight_zero_keeps_the_graph():
     per = F.cross_entropy(logits.float().view(-1, 256), targets.view(-1), reduction="none")
     assert mcount == 4
     torch.testing.assert_close(masked, (per * mask.view(-1)).sum())
-
-
-@pytest.mark.parametrize("name", list(PRESETS))
-def test_yaml_preset_equals_python_preset(name):
-    values = yaml.safe_load((CONF / f"{name}.yaml").read_text())
-    assert values == PRESETS[name]
-    assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def test_model_config_rejects_unknown_names_and_keys():

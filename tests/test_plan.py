@@ -18,6 +18,7 @@
   (by hand it measured within 3% at world size 1, where nothing is communicated).
 - An 8B job that cannot fit on 8 x 80 GiB fails in seconds, with the breakdown and what would fit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,13 +33,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cluster.config import JobConfig
+from cluster.plan import main as plan_main
 from tests.dist_utils import run_distributed
-from trainer.config import ConfigError, DataConfig, JobConfig, ShardingConfig, ShardingStrategy, TrainConfig
+from trainer.config import (
+    ConfigError,
+    DataConfig,
+    ShardingConfig,
+    TrainConfig,
+    model_config,
+)
 from trainer.data import rank_range
-from trainer.fsdp import FSDPModel, build_mesh
-from trainer.model import build_model, count_params, init_parameters, loss_sum, model_config
+from trainer.fsdp import build_mesh, parallelize
+from trainer.model import build_model, count_params, initializer, loss_sum
 from trainer.plan import check_fits, plan, profile, recommend, zero_stage_bytes
-from trainer.plan.__main__ import main as plan_main
 
 GiB = 2**30
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -49,12 +57,16 @@ MID = model_config("tiny", dim=512, n_layers=8, n_heads=8, ffn_dim=1376)
 
 
 def job(model=UNEVEN, global_batch=6, seq_len=16, micro_batches=1, **sharding) -> JobConfig:
-    return JobConfig(model=model, sharding=ShardingConfig(**sharding),
-                     train=TrainConfig(global_batch_size=global_batch, micro_batches=micro_batches),
-                     data=DataConfig(seq_len=seq_len))
+    return JobConfig(
+        model=model,
+        sharding=ShardingConfig(**sharding),
+        train=TrainConfig(global_batch_size=global_batch, micro_batches=micro_batches),
+        data=DataConfig(seq_len=seq_len),
+    )
 
 
-# ----------------------------------------------------------------------------- one real step per rank
+# ------------------------------------------------------------------------- one real step per rank
+
 
 def _resident(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -66,17 +78,18 @@ def _resident(key: str) -> int:
 
 def _train_two_steps(rank: int, world: int, cfg: JobConfig) -> dict:
     """Two steps of the engine as trainer/loop.py runs them; figures of the second (steady) step."""
-    sh = cfg.sharding
-    mesh = build_mesh(ShardingStrategy.parse(sh.strategy), rank, world, sh.hybrid_shard_group_size, world)
-    fsdp = FSDPModel(build_model(cfg.model, device="meta"), sh, mesh, torch.device("cpu"),
-                     init_fn=lambda m, prefix: init_parameters(m, 0, prefix))
+    mesh = build_mesh(cfg.sharding, rank, world, local_world_size=world)
+    fsdp = parallelize(
+        build_model(cfg.model, device="meta"), cfg.sharding, mesh, "cpu", init_fn=initializer(0)
+    )
     opt = torch.optim.AdamW(fsdp.param_groups(0.1), lr=1e-3, foreach=False)
     b, t, micro = cfg.train.global_batch_size, cfg.data.seq_len, cfg.train.micro_batches
     lo, hi = rank_range(b, world, rank)
-    tokens = torch.randint(0, cfg.model.vocab_size, (b, t + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (b, t + 1), generator=torch.Generator().manual_seed(0)
+    )
     for _ in range(2):
         gc.collect()
-        fsdp.acct.reset_step()
         before = _resident("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # restart the high-water mark from the current resident set
@@ -91,10 +104,15 @@ def _train_two_steps(rank: int, world: int, cfg: JobConfig) -> dict:
         fsdp.clip_grad_norm_(1.0)
         opt.step()
         fsdp.zero_grad()
-        fsdp.update_optim_accounting(opt)
+        fsdp.metrics(opt)  # counts the optimizer state in the accounting
         rise = _resident("VmHWM") - before
-    return dict(live=dict(fsdp.acct.live), peak=dict(fsdp.acct.peak), comm=dict(fsdp.acct.comm_bytes),
-                persistent=fsdp.acct.persistent_bytes(), rss_rise=rise)
+    return dict(
+        live=dict(fsdp.acct.live),
+        peak=dict(fsdp.acct.peak),
+        comm=dict(fsdp.acct.comm_bytes),
+        persistent=fsdp.acct.persistent_bytes(),
+        rss_rise=rise,
+    )
 
 
 def _train_jobs(rank: int, world: int, jobs: list[JobConfig]) -> list[dict]:
@@ -105,17 +123,24 @@ def _train_jobs(rank: int, world: int, jobs: list[JobConfig]) -> list[dict]:
     for cfg in jobs:
         out.append(_train_two_steps(rank, world, cfg))
         if world > 1:
-            dist.barrier()  # the next job's baseline is taken after every rank has finished this one
+            dist.barrier()  # the next job's baseline: after every rank has finished this one
     return out
 
 
-# ----------------------------------------------------------------------------- exact state and traffic
+# ------------------------------------------------------------------------- exact state and traffic
+
 
 def state_jobs(world: int) -> list[JobConfig]:
     hybrid = 1 if world > 1 else 0  # world > 1: one rank per shard group, shards all-reduced across
-    return [job(strategy="FULL_SHARD"), job(strategy="SHARD_GRAD_OP"), job(strategy="NO_SHARD"),
-            job(strategy="HYBRID_SHARD", hybrid_shard_group_size=hybrid),
-            job(strategy="FULL_SHARD", param_dtype="bfloat16", reduce_dtype="bfloat16", micro_batches=2)]
+    return [
+        job(strategy="FULL_SHARD"),
+        job(strategy="SHARD_GRAD_OP"),
+        job(strategy="NO_SHARD"),
+        job(strategy="HYBRID_SHARD", hybrid_shard_group_size=hybrid),
+        job(
+            strategy="FULL_SHARD", param_dtype="bfloat16", reduce_dtype="bfloat16", micro_batches=2
+        ),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +181,9 @@ def test_bytes_sent_per_step_equal_the_engine_accounting(engine_state):
     for cfg, r in zip(jobs, ranks[0]):
         p = plan(cfg, world, BIG, local_world_size=world)
         sent = {op: n for op, n in p.bytes_moved.items() if n}
-        assert sent == r["comm"], f"world={world} {cfg.sharding.strategy} micro={cfg.train.micro_batches}"
+        assert sent == r["comm"], (
+            f"world={world} {cfg.sharding.strategy} micro={cfg.train.micro_batches}"
+        )
 
 
 def test_engine_buffers_stay_within_the_planned_schedule(engine_state):
@@ -175,10 +202,13 @@ def test_engine_buffers_stay_within_the_planned_schedule(engine_state):
 
 # ----------------------------------------------------------------------------- ZeRO
 
+
 def test_zero_formula_gives_the_papers_figures_for_7_5b_on_64_devices():
     figures = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
     for stage, gb in figures.items():
-        assert zero_stage_bytes(7_500_000_000, 64, stage) / 1e9 == pytest.approx(gb, abs=0.05), stage
+        assert zero_stage_bytes(7_500_000_000, 64, stage) / 1e9 == pytest.approx(gb, abs=0.05), (
+            stage
+        )
 
 
 def test_our_strategies_state_maps_onto_the_zero_stages():
@@ -194,10 +224,14 @@ def test_our_strategies_state_maps_onto_the_zero_stages():
     padding = 16 * n * (model.n_layers + 1)  # < n elements per unit, 16 bytes each
     assert state("NO_SHARD").persistent == zero_stage_bytes(psi, n, 0)  # 16 psi, no padding at all
     assert abs(state("FULL_SHARD").persistent - zero_stage_bytes(psi, n, 3)) <= padding
-    assert abs(state("HYBRID_SHARD").persistent - zero_stage_bytes(psi, 8, 3)) <= padding  # 8 per node
+    assert (
+        abs(state("HYBRID_SHARD").persistent - zero_stage_bytes(psi, 8, 3)) <= padding
+    )  # 8 per node
     sgo = state("SHARD_GRAD_OP")
     during_backward = sgo.persistent + sgo.timeline.max_of("gathered_params")
-    assert abs(during_backward - zero_stage_bytes(psi, n, 2) - 2 * psi / n) <= padding  # fp32 grad shards
+    assert (
+        abs(during_backward - zero_stage_bytes(psi, n, 2) - 2 * psi / n) <= padding
+    )  # fp32 grad shards
 
 
 # ----------------------------------------------------------------------------- against a real step
@@ -206,12 +240,30 @@ TOTAL_JOBS = [
     job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="FULL_SHARD"),
     job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="SHARD_GRAD_OP"),
     job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="NO_SHARD"),
-    job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="FULL_SHARD", param_dtype="bfloat16",
-        activation_checkpointing=True),
-    job(model=model_config("tiny"), global_batch=8, seq_len=128, strategy="FULL_SHARD", micro_batches=2),
+    job(
+        model=model_config("tiny"),
+        global_batch=8,
+        seq_len=128,
+        strategy="FULL_SHARD",
+        param_dtype="bfloat16",
+        activation_checkpointing=True,
+    ),
+    job(
+        model=model_config("tiny"),
+        global_batch=8,
+        seq_len=128,
+        strategy="FULL_SHARD",
+        micro_batches=2,
+    ),
     job(model=MID, global_batch=2, seq_len=128, strategy="FULL_SHARD"),
-    job(model=MID, global_batch=2, seq_len=128, strategy="SHARD_GRAD_OP", param_dtype="bfloat16",
-        activation_checkpointing=True),
+    job(
+        model=MID,
+        global_batch=2,
+        seq_len=128,
+        strategy="SHARD_GRAD_OP",
+        param_dtype="bfloat16",
+        activation_checkpointing=True,
+    ),
 ]
 
 
@@ -222,9 +274,12 @@ def test_planned_peak_is_within_15_percent_of_a_real_cpu_step(world2):
         p = plan(cfg, 2, BIG, local_world_size=2)
         measured = r["persistent"] + r["rss_rise"]
         ratio = p.total / measured
-        line = (f"{cfg.model.dim}x{cfg.model.n_layers} {cfg.sharding.strategy} {cfg.sharding.param_dtype} "
-                f"ckpt={cfg.sharding.activation_checkpointing} micro={cfg.train.micro_batches}: planned "
-                f"{p.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {ratio:.3f}")
+        line = (
+            f"{cfg.model.dim}x{cfg.model.n_layers} {cfg.sharding.strategy} "
+            f"{cfg.sharding.param_dtype} ckpt={cfg.sharding.activation_checkpointing} "
+            f"micro={cfg.train.micro_batches}: planned "
+            f"{p.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {ratio:.3f}"
+        )
         report.append(line)
         if not 0.85 <= ratio <= 1.15:
             failures.append(line)
@@ -242,8 +297,13 @@ def test_checkpointing_keeps_only_each_blocks_input():
 
 # ----------------------------------------------------------------------------- fail fast, recommend
 
-EIGHT_B = job(model=model_config("8b"), global_batch=64, seq_len=4096, strategy="FULL_SHARD",
-              param_dtype="bfloat16")
+EIGHT_B = job(
+    model=model_config("8b"),
+    global_batch=64,
+    seq_len=4096,
+    strategy="FULL_SHARD",
+    param_dtype="bfloat16",
+)
 
 
 def test_8b_that_cannot_fit_on_8_gpus_fails_fast_with_the_breakdown():
@@ -255,11 +315,21 @@ def test_8b_that_cannot_fit_on_8_gpus_fails_fast_with_the_breakdown():
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     msg = str(err.value)
     assert msg.startswith("invalid config: sharding.strategy=FULL_SHARD")
-    for row in ("sharded parameters", "optimizer state", "gathered parameters", "unsharded gradients",
-                "activations: blocks", "activations: embedding, logits, loss", "DOES NOT FIT"):
+    for row in (
+        "sharded parameters",
+        "optimizer state",
+        "gathered parameters",
+        "unsharded gradients",
+        "activations: blocks",
+        "activations: embedding, logits, loss",
+        "DOES NOT FIT",
+    ):
         assert row in msg, row
     assert "recommended: FULL_SHARD with activation checkpointing" in msg
-    assert elapsed < 60 and grown < 2 * GiB, (elapsed, grown)  # planned, never allocated (8B is 128 GB)
+    assert elapsed < 60 and grown < 2 * GiB, (
+        elapsed,
+        grown,
+    )  # planned, never allocated (8B is 128 GB)
 
 
 def test_recommendations_fit_and_come_fewest_bytes_first():

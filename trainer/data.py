@@ -12,6 +12,7 @@ step to resume exactly, across any sequence of resizes.
     python -c "from trainer.data import *; from trainer.config import DataConfig; \
                print(prepare(DataConfig(max_bytes=2**20, prepared_dir='/tmp/tok')))"
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +44,7 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 # ----------------------------------------------------------------------------- sources
 
+
 def resolve_source(source: str) -> list[str]:
     """The files `data.source` names, in a deterministic order.
 
@@ -62,10 +64,14 @@ def resolve_source(source: str) -> list[str]:
         files = _walk(path, _is_text)
         if files:
             return files
-        raise ConfigError(f"invalid config: data.source={source!r} (a folder with no text files); "
-                          "valid: 'stdlib', or a text file or a folder holding text files")
-    raise ConfigError(f"invalid config: data.source={source!r} (no such file or folder); "
-                      "valid: 'stdlib', or a path to an existing text file or folder")
+        raise ConfigError(
+            f"invalid config: data.source={source!r} (a folder with no text files); "
+            "valid: 'stdlib', or a text file or a folder holding text files"
+        )
+    raise ConfigError(
+        f"invalid config: data.source={source!r} (no such file or folder); "
+        "valid: 'stdlib', or a path to an existing text file or folder"
+    )
 
 
 def _walk(root: str, keep) -> list[str]:
@@ -88,6 +94,7 @@ def _is_text(path: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- prepare
+
 
 @dataclass
 class PreparedInfo:
@@ -132,9 +139,18 @@ def prepare(cfg: DataConfig, shard_tokens: int = SHARD_TOKENS) -> PreparedInfo:
         return PreparedInfo(uri, found["num_tokens"], len(files), found["shards"], False)
     fs.create_dir(root, recursive=True)
     shards, sizes = _write_shards(fs, root, files, cfg.max_bytes, shard_tokens, key)
-    manifest = dict(version=FORMAT_VERSION, key=key, source=cfg.source, files_digest=_digest(files),
-                    num_files=len(files), max_bytes=cfg.max_bytes, shard_tokens=shard_tokens,
-                    shards=shards, shard_sizes=sizes, num_tokens=sum(sizes))
+    manifest = dict(
+        version=FORMAT_VERSION,
+        key=key,
+        source=cfg.source,
+        files_digest=_digest(files),
+        num_files=len(files),
+        max_bytes=cfg.max_bytes,
+        shard_tokens=shard_tokens,
+        shards=shards,
+        shard_sizes=sizes,
+        num_tokens=sum(sizes),
+    )
     _atomic_write(fs, f"{root}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     return PreparedInfo(uri, manifest["num_tokens"], len(files), shards, True)
 
@@ -221,19 +237,28 @@ def load_tokens(prepared_dir: str) -> np.ndarray:
     fs, root = _filesystem(prepared_dir)
     manifest = _read_manifest(fs, root)
     if manifest is None:
-        raise FileNotFoundError(f"no prepared token data at {prepared_dir!r} ({MANIFEST} missing "
-                                "or unreadable); run trainer.data.prepare first (the entry point "
-                                "does, on the driver)")
-    parts = [pq.read_table(f"{root}/{name}", filesystem=fs, columns=["tokens"])
-             .column("tokens").to_numpy() for name in manifest["shards"]]
+        raise FileNotFoundError(
+            f"no prepared token data at {prepared_dir!r} ({MANIFEST} missing "
+            "or unreadable); run trainer.data.prepare first (the entry point "
+            "does, on the driver)"
+        )
+    parts = [
+        pq.read_table(f"{root}/{name}", filesystem=fs, columns=["tokens"])
+        .column("tokens")
+        .to_numpy()
+        for name in manifest["shards"]
+    ]
     tokens = np.concatenate(parts).astype(np.uint8, copy=False) if parts else np.zeros(0, np.uint8)
     if len(tokens) != manifest["num_tokens"]:
-        raise ValueError(f"prepared data at {prepared_dir!r} holds {len(tokens)} tokens, its "
-                         f"manifest says {manifest['num_tokens']}; delete it and prepare again")
+        raise ValueError(
+            f"prepared data at {prepared_dir!r} holds {len(tokens)} tokens, its "
+            f"manifest says {manifest['num_tokens']}; delete it and prepare again"
+        )
     return tokens
 
 
 # ----------------------------------------------------------------------------- order
+
 
 class GlobalSampler:
     """Global position g -> sample id: epoch g // n visits range(n) in a permutation that is a
@@ -280,6 +305,7 @@ def global_tokens_per_step(global_batch: int, seq_len: int) -> int:
 
 # ----------------------------------------------------------------------------- batches
 
+
 @dataclass
 class MicroBatch:
     inputs: torch.Tensor
@@ -292,8 +318,11 @@ class MicroBatch:
     """The sample ids in this micro-batch (for a padding one, the id it borrowed)."""
 
     def to(self, device, non_blocking: bool = False) -> "MicroBatch":
-        return dataclasses.replace(self, inputs=self.inputs.to(device, non_blocking=non_blocking),
-                                   targets=self.targets.to(device, non_blocking=non_blocking))
+        return dataclasses.replace(
+            self,
+            inputs=self.inputs.to(device, non_blocking=non_blocking),
+            targets=self.targets.to(device, non_blocking=non_blocking),
+        )
 
 
 class Batcher:
@@ -302,12 +331,15 @@ class Batcher:
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, global_batch: int):
         num_samples = (len(tokens) - 1) // seq_len
         if num_samples <= 0:
-            raise ConfigError(f"invalid config: data.seq_len={seq_len}; valid: at most "
-                              f"{max(len(tokens) - 1, 0)} (the prepared corpus has {len(tokens)} "
-                              "tokens; raise data.max_bytes or use a larger data.source)")
+            raise ConfigError(
+                f"invalid config: data.seq_len={seq_len}; valid: at most "
+                f"{max(len(tokens) - 1, 0)} (the prepared corpus has {len(tokens)} "
+                "tokens; raise data.max_bytes or use a larger data.source)"
+            )
         if global_batch <= 0:
-            raise ConfigError(f"invalid config: train.global_batch_size={global_batch}; "
-                              "valid: a positive integer")
+            raise ConfigError(
+                f"invalid config: train.global_batch_size={global_batch}; valid: a positive integer"
+            )
         self.tokens = tokens
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -333,8 +365,9 @@ class Batcher:
         with weight 0.0, which runs forward and backward but adds nothing to loss or gradient.
         """
         if n_micro <= 0:
-            raise ConfigError(f"invalid config: train.micro_batches={n_micro}; "
-                              "valid: a positive integer")
+            raise ConfigError(
+                f"invalid config: train.micro_batches={n_micro}; valid: a positive integer"
+            )
         ids = self.step_ids(step, rank, world)
         out = []
         for part in np.array_split(ids, n_micro):

@@ -13,53 +13,24 @@ per block) and the rest (the root unit) by itself. What it relies on here:
   `init_parameters(unit, seed, prefix)` fills any materialised sub-module deterministically from
   (seed, fully-qualified parameter name) alone, so per-unit and whole-model init agree.
 
-    python -c "from trainer.model import *; print(count_params(model_config('8b')))"
+    python -c "from trainer.config import PRESETS; from trainer.model import count_params; \
+               print(count_params(PRESETS['8b']))"
 """
+
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ConfigError, ModelConfig
-
-_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
-
-PRESETS: dict[str, dict] = {
-    # ~3.5M parameters: tests and CPU runs.
-    "tiny": dict(name="tiny", vocab_size=256, dim=256, n_layers=4, n_heads=4, n_kv_heads=None,
-                 ffn_dim=768, max_seq_len=2048, norm_eps=1e-5, rope_theta=10000.0, init_std=0.02),
-    # GPT-2 small widths with a Llama block (~134M: 85M in blocks, untied 32k embeddings).
-    "125m": dict(name="125m", vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=None,
-                 ffn_dim=2048, max_seq_len=2048, norm_eps=1e-5, rope_theta=10000.0, init_std=0.02),
-    # Llama 3.2 1B shapes (embeddings untied here, so ~1.50B rather than Meta's tied 1.24B).
-    "1b": dict(name="1b", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-               ffn_dim=8192, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0, init_std=0.02),
-    # Llama 3 8B shapes (8.03B parameters).
-    "8b": dict(name="8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-               ffn_dim=14336, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0, init_std=0.02),
-}
-
-
-def model_config(name: str, **overrides) -> ModelConfig:
-    """A validated ModelConfig from a preset, with any fields overridden."""
-    if name not in PRESETS:
-        raise ConfigError(f"invalid config: model.name={name!r}; valid: {', '.join(PRESETS)}")
-    unknown = sorted(set(overrides) - set(_FIELDS))
-    if unknown:
-        raise ConfigError(f"invalid config: model.{unknown[0]}={overrides[unknown[0]]!r}; "
-                          f"valid keys: {', '.join(_FIELDS)}")
-    cfg = ModelConfig(**{**PRESETS[name], **overrides})
-    cfg.validate()
-    return cfg
-
+from trainer.config import ModelConfig
 
 # ----------------------------------------------------------------------------- building blocks
+
 
 def _linear(in_features: int, out_features: int, init_std: float) -> nn.Linear:
     """A bias-free Linear that carries its own init std, so init works on any sub-module."""
@@ -140,7 +111,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
         k, v = self._repeat_kv(k), self._repeat_kv(v)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
     def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,6 +182,7 @@ def _residual_std(cfg: ModelConfig) -> float:
 
 # ----------------------------------------------------------------------------- build and init
 
+
 def build_model(cfg: ModelConfig, device="meta", seed: Optional[int] = None) -> Transformer:
     """The model on `device`; on meta (the default) nothing is allocated, even for 8B.
 
@@ -225,8 +198,9 @@ def build_model(cfg: ModelConfig, device="meta", seed: Optional[int] = None) -> 
     return model
 
 
-def init_parameters(module: nn.Module, seed: int, prefix: str = "",
-                    exclude: Iterable[nn.Module] = ()) -> None:
+def init_parameters(
+    module: nn.Module, seed: int, prefix: str = "", exclude: Iterable[nn.Module] = ()
+) -> None:
     """Fill every parameter of `module` from (seed, prefix + its local name) alone.
 
     Each parameter gets its own CPU generator seeded with crc32(f"{seed}:{fqn}"), draws in fp32
@@ -239,18 +213,29 @@ def init_parameters(module: nn.Module, seed: int, prefix: str = "",
     Raises if a parameter is still on the meta device or has no init rule.
     """
     skip = {id(p) for m in exclude for p in m.parameters()}
-    todo = [(prefix + name, p, _init_rule(mod, prefix + name))
-            for name, p, mod in _named_params_with_owner(module) if id(p) not in skip]
+    todo = [
+        (prefix + name, p, _init_rule(mod, prefix + name))
+        for name, p, mod in _named_params_with_owner(module)
+        if id(p) not in skip
+    ]
     for fqn, p, _ in todo:
         if p.is_meta:
-            raise RuntimeError(f"init_parameters: parameter {fqn!r} is on the meta device; "
-                               "materialise it first (module.to_empty(device=...))")
+            raise RuntimeError(
+                f"init_parameters: parameter {fqn!r} is on the meta device; "
+                "materialise it first (module.to_empty(device=...))"
+            )
     with torch.no_grad():
         for fqn, p, std in todo:
             if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
                 _draw_into(p, fqn, seed, std)  # same values, without a second copy in memory
             else:
                 p.copy_(_draw(fqn, seed, p.shape, std))
+
+
+def initializer(seed: int) -> Callable[[nn.Module, str], None]:
+    """init_fn(module, prefix) for the engine (trainer/fsdp.parallelize): it materialises meta
+    parameters one module at a time and fills them with `init_parameters` under this seed."""
+    return lambda module, prefix: init_parameters(module, seed, prefix)
 
 
 def _named_params_with_owner(module: nn.Module):
@@ -265,8 +250,10 @@ def _init_rule(owner: nn.Module, fqn: str) -> Optional[float]:
         return None
     std = getattr(owner, "init_std", None)
     if std is None:
-        raise ValueError(f"init_parameters: no init rule for {fqn!r} "
-                         f"(a {type(owner).__name__} without an init_std attribute)")
+        raise ValueError(
+            f"init_parameters: no init rule for {fqn!r} "
+            f"(a {type(owner).__name__} without an init_std attribute)"
+        )
     return float(std)
 
 
@@ -284,10 +271,13 @@ def _generator(fqn: str, seed: int) -> torch.Generator:
 def _draw(fqn: str, seed: int, shape: torch.Size, std: Optional[float]) -> torch.Tensor:
     if std is None:
         return torch.ones(shape)
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=_generator(fqn, seed))
+    return torch.empty(shape, dtype=torch.float32).normal_(
+        0.0, std, generator=_generator(fqn, seed)
+    )
 
 
 # ----------------------------------------------------------------------------- accounting
+
 
 def count_params(cfg: ModelConfig) -> int:
     """Exact parameter count, analytically (no allocation)."""

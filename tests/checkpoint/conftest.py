@@ -3,6 +3,7 @@
 Ranks are simulated in one process: one CheckpointWriter per rank, each with its own background
 thread, meeting at a threading.Barrier(N) (what the lead's gloo barrier is to real ranks).
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,16 +36,21 @@ def split(tensors: dict[str, torch.Tensor], world_size: int) -> list[list[tuple[
 
 
 def chunks_for(tensors: dict[str, torch.Tensor], ranges) -> list[TensorChunk]:
-    return [TensorChunk(k, tuple(tensors[k].shape), tensors[k].dtype, s, tensors[k].reshape(-1)[s:s + n])
-            for k, s, n in ranges]
+    return [
+        TensorChunk(
+            k, tuple(tensors[k].shape), tensors[k].dtype, s, tensors[k].reshape(-1)[s : s + n]
+        )
+        for k, s, n in ranges
+    ]
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit (NaN payloads and -0.0 included), same dtype and shape."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                       b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,19 +62,32 @@ def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         "model/norm.weight": torch.randn(29, generator=g).to(torch.bfloat16),
         "optim/layers.0.attention.wq.weight/exp_avg": torch.randn(37, 29, generator=g),
         "optim/step": torch.tensor(7, dtype=torch.int64),  # a 0-d tensor
-        "data/token_counts": torch.randint(-2**62, 2**62, (301,), generator=g, dtype=torch.int64),
+        "data/token_counts": torch.randint(-(2**62), 2**62, (301,), generator=g, dtype=torch.int64),
     }
 
 
-def save_ranks(root: str, step: int, tensors: dict[str, torch.Tensor], world_size: int,
-               state=None, writers=None, **writer_kw) -> str:
+def save_ranks(
+    root: str,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    world_size: int,
+    state=None,
+    writers=None,
+    **writer_kw,
+) -> str:
     """Save `tensors` split over `world_size` simulated ranks; return the committed path."""
     own = writers is None
     writers = writers or [CheckpointWriter(root, **writer_kw) for _ in range(world_size)]
     barrier = threading.Barrier(world_size)
     for rank, ranges in enumerate(split(tensors, world_size)):
-        writers[rank].save(step, rank, world_size, chunks_for(tensors, ranges),
-                           dict(state or {"strategy": "FULL_SHARD", "step": step}), barrier.wait)
+        writers[rank].save(
+            step,
+            rank,
+            world_size,
+            chunks_for(tensors, ranges),
+            dict(state or {"strategy": "FULL_SHARD", "step": step}),
+            barrier.wait,
+        )
     paths = [w.wait() for w in writers]
     if own:
         for w in writers:

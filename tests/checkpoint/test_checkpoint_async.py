@@ -1,5 +1,6 @@
 """Asynchronous save: the loop waits only for the host copy; saves are serialised; a failure in
 the background is raised by the next call, never lost. Gated with Events, not sleeps."""
+
 from __future__ import annotations
 
 import os
@@ -64,7 +65,9 @@ def test_next_save_waits_for_the_previous_one(tmp_path, ck):
     assert events == ["save 1 passed its barrier", "save 2 returned"]
     assert w.wait().endswith("step_000000002")
     w.close()
-    assert torch.equal(CheckpointReader(str(tmp_path / "step_000000001")).read_full("model/w"), t1["model/w"])
+    assert torch.equal(
+        CheckpointReader(str(tmp_path / "step_000000001")).read_full("model/w"), t1["model/w"]
+    )
 
 
 def test_failed_background_write_is_raised_by_the_next_save_once(tmp_path, tensors, ck):
@@ -94,8 +97,11 @@ def test_failed_background_write_is_raised_by_wait_and_close(tmp_path, tensors, 
     assert not (tmp_path / "step_000000001" / "manifest.json").exists()
 
 
-def test_a_rank_whose_write_fails_still_enters_the_barrier_and_nothing_is_committed(tmp_path, tensors, ck):
-    """If rank 1 skipped the barrier, rank 0 would hang; if rank 0 did not check, it would commit."""
+def test_a_rank_whose_write_fails_still_enters_the_barrier_and_nothing_is_committed(
+    tmp_path, tensors, ck
+):
+    """If rank 1 skipped the barrier, rank 0 would hang; if rank 0 did not check, it would
+    commit."""
     ranges = ck.split(tensors, 2)
     barrier = threading.Barrier(2, timeout=60)
     writers = [CheckpointWriter(str(tmp_path)) for _ in range(2)]
@@ -115,9 +121,13 @@ def test_sync_save_commits_before_returning(tmp_path, tensors, ck):
     ranges = ck.split(tensors, 2)
     barrier = threading.Barrier(2, timeout=60)
     writers = [CheckpointWriter(str(tmp_path), async_save=False) for _ in range(2)]
-    threads = [threading.Thread(target=writers[r].save,
-                                args=(4, r, 2, ck.chunks_for(tensors, ranges[r]), {}, barrier.wait))
-               for r in (1, 0)]
+    threads = [
+        threading.Thread(
+            target=writers[r].save,
+            args=(4, r, 2, ck.chunks_for(tensors, ranges[r]), {}, barrier.wait),
+        )
+        for r in (1, 0)
+    ]
     for t in threads:
         t.start()
     threads[1].join()  # rank 0 returned: committed

@@ -1,6 +1,7 @@
 """`python -m trainer.checkpoint inspect|verify|export`: exit codes through a real subprocess,
 output checks in-process (main(argv), same code, no interpreter start-up), and the export
 loading into the plain model with identical logits."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,20 @@ import torch
 
 from trainer.checkpoint.__main__ import main
 from trainer.checkpoint.export import export, load_exported
+from trainer.checkpoint.keys import optim_key, param_key
+from trainer.config import model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.checkpoint", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.checkpoint", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _main(capsys, *args) -> tuple[int, str, str]:
@@ -36,8 +44,13 @@ def test_inspect_and_verify_report_a_sound_then_a_corrupt_checkpoint(tmp_path, t
     rc, out, _ = _main(capsys, "inspect", p20)
     assert rc == 0
     n_params = sum(t.numel() for k, t in tensors.items() if k.startswith("model/"))
-    for line in ("step:        20", "world size:  3", "strategy:    FULL_SHARD",
-                 f"parameters:  {n_params:,}", "valid:       yes"):
+    for line in (
+        "step:        20",
+        "world size:  3",
+        "strategy:    FULL_SHARD",
+        f"parameters:  {n_params:,}",
+        "valid:       yes",
+    ):
         assert line in out, out
     rc, out, _ = _main(capsys, "verify", p20)
     assert rc == 0 and "OK" in out
@@ -48,7 +61,9 @@ def test_inspect_and_verify_report_a_sound_then_a_corrupt_checkpoint(tmp_path, t
     open(shard, "wb").write(bytes(data))
     bad = _cli("verify", p20)  # the real command: its exit code is what scripts see
     assert bad.returncode == 1
-    assert "1 problem(s)" in bad.stdout and "rank-00002-of-00003.bin: checksum mismatch" in bad.stdout
+    assert (
+        "1 problem(s)" in bad.stdout and "rank-00002-of-00003.bin: checksum mismatch" in bad.stdout
+    )
 
     os.remove(f"{p20}/manifest.json")
     rc, out, _ = _main(capsys, "inspect", root)
@@ -67,10 +82,10 @@ def test_verify_of_a_missing_path_fails(tmp_path, capsys):
 
 def _tiny_model_checkpoint(tmp_path, ck, world_size: int):
     model_mod = pytest.importorskip("trainer.model")
-    cfg = model_mod.model_config("tiny", dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=64)
+    cfg = model_config("tiny", dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=64)
     model = model_mod.build_model(cfg, "cpu", seed=3)
-    tensors = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
-    tensors["optim/output.weight/exp_avg"] = torch.randn(cfg.vocab_size, cfg.dim)
+    tensors = {param_key(k): v.detach() for k, v in model.state_dict().items()}
+    tensors[optim_key("output.weight", "exp_avg")] = torch.randn(cfg.vocab_size, cfg.dim)
     state = {"strategy": "FULL_SHARD", "model_config": dataclasses.asdict(cfg)}
     path = ck.save_ranks(str(tmp_path / "ckpt"), 5, tensors, world_size=world_size, state=state)
     return model_mod, model, path

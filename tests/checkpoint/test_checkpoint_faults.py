@@ -1,5 +1,6 @@
 """Faults: truncated, flipped, missing shard; torn save; corrupt metadata. Each is caught with an
 error naming the file (and chunk), and resume falls back to the previous good checkpoint."""
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,11 @@ def test_flipped_byte_is_caught_on_read_naming_file_and_chunk(two_steps, tensors
         f.seek(5)
         f.write(bytes([byte[0] ^ 0x10]))
     reader = CheckpointReader(p20)  # sizes intact: only a checksum pass can see it
-    with pytest.raises(CheckpointError, match=rf"{SHARD}: checksum mismatch in block 0 .*chunk "
-                                              rf"{key}\[{start}:{start + numel}\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{SHARD}: checksum mismatch in block 0 .*chunk "
+        rf"{key}\[{start}:{start + numel}\]",
+    ):
         for key in tensors:
             reader.read_full(key)
     problems = verify(p20)
@@ -82,10 +86,13 @@ def test_torn_save_without_manifest_is_skipped(two_steps):
     assert "not committed" in verify(p20)[0]
 
 
-@pytest.mark.parametrize("victim, match", [
-    ("manifest.json", "manifest checksum mismatch|not valid JSON"),
-    ("chunks.arrow", "chunk table corrupt"),
-])
+@pytest.mark.parametrize(
+    "victim, match",
+    [
+        ("manifest.json", "manifest checksum mismatch|not valid JSON"),
+        ("chunks.arrow", "chunk table corrupt"),
+    ],
+)
 def test_corrupt_metadata_is_caught_before_any_data_is_used(two_steps, victim, match):
     root, p10, p20 = two_steps
     path = f"{p20}/{victim}"

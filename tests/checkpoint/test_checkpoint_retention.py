@@ -1,4 +1,5 @@
 """Retention: the newest K committed checkpoints stay, the protected one (resumed from) always."""
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,12 @@ def test_resaving_a_step_replaces_a_torn_save_at_another_world_size(tmp_path, te
     os.remove(tmp_path / "step_000000007" / "manifest.json")  # torn
     ck.save_ranks(str(tmp_path), 7, tensors, world_size=2)
     names = sorted(os.listdir(tmp_path / "step_000000007"))
-    assert names == ["chunks.arrow", "manifest.json", "rank-00000-of-00002.bin",
-                     "rank-00001-of-00002.bin"]
+    assert names == [
+        "chunks.arrow",
+        "manifest.json",
+        "rank-00000-of-00002.bin",
+        "rank-00001-of-00002.bin",
+    ]
 
 
 def test_keep_must_be_positive(tmp_path):

@@ -1,4 +1,5 @@
 """Round trips and resharding: whatever N ranks saved, any M ranks read back bit for bit."""
+
 from __future__ import annotations
 
 import threading
@@ -6,8 +7,13 @@ import threading
 import pytest
 import torch
 
-from trainer.checkpoint import (CheckpointError, CheckpointReader, CheckpointWriter, TensorChunk,
-                                latest_checkpoint)
+from trainer.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    TensorChunk,
+    latest_checkpoint,
+)
 
 
 def test_fp32_bf16_int64_and_0d_tensors_round_trip_bitwise(tmp_path, tensors, ck):
@@ -27,7 +33,7 @@ def test_save_at_n_ranks_reads_bitwise_at_every_m_from_1_to_4(tmp_path, tensors,
     for load_at in (1, 2, 3, 4):
         for rank_ranges in ck.split(tensors, load_at):
             for key, start, numel in rank_ranges:
-                want = tensors[key].reshape(-1)[start:start + numel]
+                want = tensors[key].reshape(-1)[start : start + numel]
                 assert ck.bitwise_equal(reader.read(key, start, numel), want), (load_at, key, start)
 
 
@@ -43,8 +49,14 @@ def test_arbitrary_ranges_spanning_several_chunks_and_blocks(tmp_path, tensors, 
 
 
 def test_state_is_stored_in_the_manifest_from_rank_0(tmp_path, tensors, ck):
-    state = {"step": 42, "consumed_samples": 336, "rng": {"torch": "AAEC"}, "strategy": "NO_SHARD",
-             "model_config_digest": "abc", "world_size": 2}
+    state = {
+        "step": 42,
+        "consumed_samples": 336,
+        "rng": {"torch": "AAEC"},
+        "strategy": "NO_SHARD",
+        "model_config_digest": "abc",
+        "world_size": 2,
+    }
     path = ck.save_ranks(str(tmp_path), 42, tensors, world_size=2, state=state)
     reader = CheckpointReader(path)
     assert reader.state == state and reader.step == 42
@@ -102,13 +114,19 @@ def test_uncovered_elements_are_never_committed(tmp_path, tensors, ck):
     assert latest_checkpoint(str(tmp_path), log=lambda m: None) is None
 
 
-@pytest.mark.parametrize("bad, match", [
-    (TensorChunk("k", (4,), torch.float32, 0, torch.zeros(4, dtype=torch.float64)), "dtype"),
-    (TensorChunk("k", (4,), torch.float32, 2, torch.zeros(3)), r"outside the tensor"),
-    (TensorChunk("k", (4,), torch.float32, 0, torch.zeros(2, 2)), "1-D"),
-    (TensorChunk("", (4,), torch.float32, 0, torch.zeros(4)), "key"),
-    (TensorChunk("k", (4,), torch.complex64, 0, torch.zeros(4, dtype=torch.complex64)), "cannot be stored"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (TensorChunk("k", (4,), torch.float32, 0, torch.zeros(4, dtype=torch.float64)), "dtype"),
+        (TensorChunk("k", (4,), torch.float32, 2, torch.zeros(3)), r"outside the tensor"),
+        (TensorChunk("k", (4,), torch.float32, 0, torch.zeros(2, 2)), "1-D"),
+        (TensorChunk("", (4,), torch.float32, 0, torch.zeros(4)), "key"),
+        (
+            TensorChunk("k", (4,), torch.complex64, 0, torch.zeros(4, dtype=torch.complex64)),
+            "cannot be stored",
+        ),
+    ],
+)
 def test_invalid_chunks_are_rejected_before_anything_is_written(tmp_path, bad, match):
     with CheckpointWriter(str(tmp_path)) as w:
         with pytest.raises(CheckpointError, match=match):
@@ -127,13 +145,21 @@ def test_reads_outside_the_tensor_or_of_unknown_keys_name_the_key(tmp_path, tens
 def test_state_that_is_not_json_is_rejected_at_save(tmp_path, tensors, ck):
     with CheckpointWriter(str(tmp_path)) as w:
         with pytest.raises(CheckpointError, match="JSON"):
-            w.save(1, 0, 1, ck.chunks_for(tensors, ck.split(tensors, 1)[0]),
-                   {"rng": torch.get_rng_state()}, lambda: None)
+            w.save(
+                1,
+                0,
+                1,
+                ck.chunks_for(tensors, ck.split(tensors, 1)[0]),
+                {"rng": torch.get_rng_state()},
+                lambda: None,
+            )
 
 
 def test_read_into_fills_a_slice_of_a_flat_buffer_in_place(tmp_path, tensors, ck):
     """What a loader does: read a parameter's range straight into its flat shard."""
-    reader = CheckpointReader(ck.save_ranks(str(tmp_path), 1, tensors, world_size=3, block_bytes=64))
+    reader = CheckpointReader(
+        ck.save_ranks(str(tmp_path), 1, tensors, world_size=3, block_bytes=64)
+    )
     key = "model/layers.0.attention.wq.weight"
     flat = torch.zeros(1000)
     out = reader.read_into(key, 100, flat[200:700])
@@ -148,6 +174,7 @@ def test_an_explicit_filesystem_and_path_work_like_a_uri(tmp_path, tensors, ck):
     """Ray hands over (filesystem, path) pairs; a SubTreeFileSystem also takes the non-rename
     (object-store style) commit path, here on local disk."""
     from pyarrow import fs
+
     sub = fs.SubTreeFileSystem(str(tmp_path), fs.LocalFileSystem())
     path = ck.save_ranks("ckpts", 4, tensors, world_size=2, filesystem=sub)
     assert path == "ckpts/step_000000004"

@@ -1,4 +1,5 @@
 """S3: the same code path against a real S3-compatible server (moto) started here on loopback."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,12 @@ BUCKET = "ckpt"
 def s3_endpoint():
     """host:port of a moto S3 server on 127.0.0.1 (an ephemeral port), stopped afterwards."""
     mp = pytest.MonkeyPatch()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
         mp.setenv(k, v)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -30,8 +35,15 @@ def s3_endpoint():
 
 def _create_bucket(endpoint: str) -> None:
     from pyarrow import fs
-    s3 = fs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
-                         access_key="testing", secret_key="testing", allow_bucket_creation=True)
+
+    s3 = fs.S3FileSystem(
+        endpoint_override=endpoint,
+        scheme="http",
+        region="us-east-1",
+        access_key="testing",
+        secret_key="testing",
+        allow_bucket_creation=True,
+    )
     s3.create_dir(BUCKET)
 
 
@@ -47,13 +59,14 @@ def test_reshard_round_trip_through_s3(s3_endpoint, tensors, ck):
     reader = CheckpointReader(path)
     for rank_ranges in ck.split(tensors, 2):  # load at 2 ranks
         for key, start, numel in rank_ranges:
-            want = tensors[key].reshape(-1)[start:start + numel]
+            want = tensors[key].reshape(-1)[start : start + numel]
             assert ck.bitwise_equal(reader.read(key, start, numel), want)
     assert verify(path) == []
 
 
 def test_s3_ranged_reads_and_retention(s3_endpoint, ck):
     import torch
+
     t = {"model/big": torch.arange(2048, dtype=torch.float32)}
     root = _uri(s3_endpoint, "retention")
     for step in (1, 2, 3):
@@ -62,6 +75,7 @@ def test_s3_ranged_reads_and_retention(s3_endpoint, ck):
     latest = latest_checkpoint(root, log=messages.append)
     assert latest == _uri(s3_endpoint, "retention/step_000000003") and messages == []
     from pyarrow import fs
+
     s3, base = fs.FileSystem.from_uri(root)
     left = sorted(i.base_name for i in s3.get_file_info(fs.FileSelector(base)))
     assert left == ["step_000000002", "step_000000003"]

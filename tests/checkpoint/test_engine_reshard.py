@@ -4,13 +4,17 @@ Weights and AdamW state after loading are bitwise equal to the consolidated orig
 next step's loss equals the loss of the run that continued without a reload. N, M in 1..4, and
 the strategy changes on load (FULL_SHARD -> NO_SHARD -> HYBRID_SHARD -> SHARD_GRAD_OP).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.fsdp.scaffold import BATCH_SEQ, WD, batch, optimizer, wrap
-from trainer.checkpoint import CheckpointReader, CheckpointWriter, TensorChunk
+from trainer.checkpoint import CheckpointReader, CheckpointWriter
+from trainer.checkpoint.keys import optim_key, param_key
+from trainer.checkpointing import load_state, state_chunks
+from trainer.fsdp.state import full_parameters, optim_pieces
 from trainer.model import loss_sum
 
 B = 6
@@ -35,17 +39,19 @@ def _step(fsdp, opt, step, rank, world):
 def consolidated(fsdp, opt):
     """Every parameter and AdamW state tensor, whole. Each element lives in exactly one shard of a
     shard group, so a SUM over the group of zero-filled tensors reassembles it bit for bit."""
-    params = fsdp.full_parameters()
-    out = {f"model/{k}": v for k, v in params.items()}
+    params = full_parameters(fsdp)
+    out = {param_key(k): v for k, v in params.items()}
     # every key on every rank (a rank may hold no element of some parameter): same collectives
-    pieces = {f"optim/{k}/{n}": torch.zeros(v.numel()) for k, v in params.items() for n in ("exp_avg", "exp_avg_sq")}
-    for fqn, name, shape, start, t in fsdp.optim_pieces(opt):
-        pieces[f"optim/{fqn}/{name}"][start:start + t.numel()] = t
+    pieces = {
+        (k, n): torch.zeros(v.numel()) for k, v in params.items() for n in ("exp_avg", "exp_avg_sq")
+    }
+    for fqn, name, shape, start, t in optim_pieces(fsdp, opt):
+        pieces[fqn, name][start : start + t.numel()] = t
     group = fsdp.mesh.shard_group
     for key in sorted(pieces) if fsdp.mesh.shard_size > 1 else []:
         dist.all_reduce(pieces[key], group=group)
-    for key in sorted(pieces):
-        out[key] = pieces[key].reshape(out[f"model/{key.split('/')[1]}"].shape)
+    for fqn, name in sorted(pieces):
+        out[optim_key(fqn, name)] = pieces[fqn, name].reshape(params[fqn].shape)
     return out
 
 
@@ -54,12 +60,10 @@ def _save(rank, world, root):
     opt = optimizer(fsdp.param_groups(WD))
     for step in range(2):
         _step(fsdp, opt, step, rank, world)
-    chunks = []
-    if fsdp.mesh.replicate_rank == 0:
-        chunks = [TensorChunk(f"model/{f}", s, torch.float32, a, t) for f, s, a, t in fsdp.param_pieces()]
-        chunks += [TensorChunk(f"optim/{f}/{n}", s, t.dtype, a, t) for f, n, s, a, t in fsdp.optim_pieces(opt)]
-    writer = CheckpointWriter(root, keep=5, async_save=True)
-    writer.save(2, rank, world, chunks, {"optim_step": 2.0}, dist.barrier if world > 1 else (lambda: None))
+    writer = CheckpointWriter(
+        root, keep=5, async_save=True, group=dist.group.WORLD if world > 1 else None
+    )
+    writer.save(2, rank, world, state_chunks(fsdp, opt), {"optim_step": 2.0})
     path = writer.wait()
     writer.close()
     state = consolidated(fsdp, opt)
@@ -70,10 +74,12 @@ def _save(rank, world, root):
 def _load(rank, world, paths):
     out = []
     for path in paths:
-        fsdp = wrap(rank, world, strategy=LOAD[world], hybrid_shard_group_size=2 if world == 4 else 0)
+        fsdp = wrap(
+            rank, world, strategy=LOAD[world], hybrid_shard_group_size=2 if world == 4 else 0
+        )
         opt = optimizer(fsdp.param_groups(WD))
         reader = CheckpointReader(path)
-        fsdp.load_pieces(reader.read, opt, optim_step=reader.state["optim_step"])
+        load_state(fsdp, opt, reader, reader.state["optim_step"], torch.device("cpu"))
         state = consolidated(fsdp, opt)
         out.append(dict(state=state, next_loss=_step(fsdp, opt, 2, rank, world)))
     return out if rank == 0 else None
@@ -93,20 +99,24 @@ def test_save_at_n_load_at_m_is_bitwise_and_the_next_step_matches(saved, m):
         want = saved[n]
         assert sorted(got["state"]) == sorted(want["state"])
         for key, value in want["state"].items():
-            assert torch.equal(got["state"][key], value), f"{key}: saved at {n} ({SAVE[n]}), loaded at {m} ({LOAD[m]})"
+            assert torch.equal(got["state"][key], value), (
+                f"{key}: saved at {n} ({SAVE[n]}), loaded at {m} ({LOAD[m]})"
+            )
         assert got["next_loss"] == pytest.approx(want["next_loss"], rel=1e-6), (n, m)
 
 
 def attention_and_ffn_units(model):
-    """Another wrap policy: two units per block (attention, feed-forward); norms fall to the root."""
+    """Another wrap policy: two units per block (attention, feed-forward); norms go to the root."""
     return [m for block in model.layers for m in (block.attention, block.feed_forward)]
 
 
 def _load_other_policy(rank, world, path):
-    fsdp = wrap(rank, world, policy=attention_and_ffn_units, strategy="FULL_SHARD", param_dtype="bfloat16")
+    fsdp = wrap(
+        rank, world, policy=attention_and_ffn_units, strategy="FULL_SHARD", param_dtype="bfloat16"
+    )
     opt = optimizer(fsdp.param_groups(WD))
     reader = CheckpointReader(path)
-    fsdp.load_pieces(reader.read, opt, optim_step=reader.state["optim_step"])
+    load_state(fsdp, opt, reader, reader.state["optim_step"], torch.device("cpu"))
     state = consolidated(fsdp, opt)  # collective: every rank takes part
     return dict(state=state, units=len(fsdp.units)) if rank == 0 else None
 

@@ -7,6 +7,7 @@ its address file never redirects another test's `ray.init()` to it, nor this one
 The CLI runs as a subprocess in its own process group with RAY_ADDRESS set, its output going to a
 file the test can read while it runs.
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,18 +40,28 @@ class LocalCluster:
     """A head node plus worker nodes, each `cpus` logical CPUs; shut down by `close()`."""
 
     def __init__(self, head_cpus: int):
-        from ray.cluster_utils import Cluster
+        from ray.cluster_utils import Cluster  # noqa: PLC0415 -- ray: seconds, when one starts
 
         self.tmp = tempfile.mkdtemp(prefix="efr", dir="/tmp")
         self.ray_tmp = os.path.join(self.tmp, "ray")  # where Ray looks under RAY_TMPDIR
         os.makedirs(self.ray_tmp)
-        self._saved_env = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "PYTHONPATH", "RAY_USAGE_STATS_ENABLED")}
+        self._saved_env = {
+            k: os.environ.get(k) for k in ("RAY_TMPDIR", "PYTHONPATH", "RAY_USAGE_STATS_ENABLED")
+        }
         os.environ["RAY_TMPDIR"] = self.tmp  # inherited by every Ray process this cluster starts
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+        )
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-        self.cluster = Cluster(initialize_head=True, connect=False,
-                               head_node_args={"num_cpus": head_cpus, "temp_dir": self.ray_tmp,
-                                               "include_dashboard": False})
+        self.cluster = Cluster(
+            initialize_head=True,
+            connect=False,
+            head_node_args={
+                "num_cpus": head_cpus,
+                "temp_dir": self.ray_tmp,
+                "include_dashboard": False,
+            },
+        )
 
     @property
     def address(self) -> str:
@@ -67,13 +78,14 @@ class LocalCluster:
 
         Ray stops placing work there and announces it to Ray Train's preemption watcher; the
         node's raylet exits once nothing runs on it."""
-        import ray
-        from ray.core.generated import autoscaler_pb2
+        import ray  # noqa: PLC0415 -- ray costs seconds to import: loaded by the cluster already
+        from ray.core.generated import autoscaler_pb2  # noqa: PLC0415 -- the same
 
         reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
         deadline_ms = int((time.time() + deadline_s) * 1000)
         accepted, why = ray._raylet.GcsClient(address=self.address).drain_node(
-            node.node_id, reason, "elastic test: preemption", deadline_ms)
+            node.node_id, reason, "elastic test: preemption", deadline_ms
+        )
         assert accepted, f"Ray refused to drain node {node.node_id}: {why}"
 
     def close(self) -> None:
@@ -99,12 +111,15 @@ class CliRun:
         return self.log.read_text(errors="replace")
 
     def wait(self, timeout: float) -> int:
-        """The exit status; on a timeout the whole process group is killed and AssertionError raised."""
+        """The exit status; on a timeout the whole process group is killed and AssertionError
+        raised."""
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"cluster.train did not finish in {timeout}s; output:\n{self.output()[-8000:]}")
+            raise AssertionError(
+                f"cluster.train did not finish in {timeout}s; output:\n{self.output()[-8000:]}"
+            )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -112,20 +127,37 @@ class CliRun:
             self.proc.wait()
 
 
-def start_cli(launch_dir: Path, address: str, *overrides: str, env: Optional[dict] = None) -> CliRun:
+def start_cli(
+    launch_dir: Path, address: str, *overrides: str, env: Optional[dict] = None
+) -> CliRun:
     """The real entry point against the cluster at `address`, launched from `launch_dir`."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")
+    }
     full_env.update(FAST_RAY_TRAIN_ENV, RAY_ADDRESS=address, **(env or {}))
     log = launch_dir / "cli.log"
-    args = [sys.executable, "-m", "cluster.train", f"hydra.run.dir={launch_dir}/outputs", *overrides]
+    args = [
+        sys.executable,
+        "-m",
+        "cluster.train",
+        f"hydra.run.dir={launch_dir}/outputs",
+        *overrides,
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(args, cwd=launch_dir, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            cwd=launch_dir,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return CliRun(proc, log)
 
 
 def attempts(run_dir: Path) -> list[dict]:
-    """The elastic records of a run (cluster/elastic.py), oldest first; torn ones left out."""
+    """The elastic records of a run (cluster/elastic/tracker.py), oldest first; torn ones left
+    out."""
     out = []
     for path in sorted(glob.glob(str(run_dir / "elastic" / "attempts" / "*.json"))):
         try:
@@ -135,7 +167,9 @@ def attempts(run_dir: Path) -> list[dict]:
     return out
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str, run: Optional[CliRun] = None):
+def wait_until(
+    condition: Callable[[], object], timeout: float, what: str, run: Optional[CliRun] = None
+):
     """Poll `condition` (a file the run writes) until it holds; fail early if the run ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -143,8 +177,11 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, run: 
         if value:
             return value
         if run is not None and run.proc.poll() is not None:
-            raise AssertionError(f"the run ended (exit {run.proc.returncode}) before {what}:\n"
-                                 f"{run.output()[-8000:]}")
+            raise AssertionError(
+                f"the run ended (exit {run.proc.returncode}) before {what}:\n{run.output()[-8000:]}"
+            )
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
-                         + (f":\n{run.output()[-8000:]}" if run else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}"
+        + (f":\n{run.output()[-8000:]}" if run else "")
+    )

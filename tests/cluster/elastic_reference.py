@@ -8,32 +8,44 @@ switching at the steps where the run resumed at a new size, through a checkpoint
 torch.multiprocessing + gloo (tests/dist_utils.py): `schedule` is [(world size, stop before
 step), ...], the last stop None.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 from tests.dist_utils import run_distributed
+from trainer.loop import WorkerContext, run_training
 
 
 def train_segment(rank: int, world: int, cfg, root: str, stop_at: Optional[int]) -> list:
     """One rank: resume from `root` (if it holds a checkpoint), train until step `stop_at`."""
-    from trainer.loop import WorkerContext, run_training
-
     next_step = [0]
 
     def before_step(step: int) -> None:
         next_step[0] = step + 1  # should_stop is asked before each step
 
     stop = (lambda: next_step[0] >= stop_at) if stop_at is not None else None
-    result = run_training(cfg, WorkerContext(rank=rank, world_size=world, checkpoint_root=root,
-                                             should_stop=stop, fault=before_step, device="cpu"))
+    result = run_training(
+        cfg,
+        WorkerContext(
+            rank=rank,
+            world_size=world,
+            checkpoint_root=root,
+            should_stop=stop,
+            before_step=before_step,
+            device="cpu",
+        ),
+    )
     return result.losses
 
 
-def reference_losses(cfg, schedule: Sequence[tuple[int, Optional[int]]], root: str) -> dict[int, float]:
+def reference_losses(
+    cfg, schedule: Sequence[tuple[int, Optional[int]]], root: str
+) -> dict[int, float]:
     """{step: loss} of `cfg` trained segment by segment at the schedule's world sizes."""
     losses: dict[int, float] = {}
     for world, stop_at in schedule:
-        losses.update((int(s), float(v)) for s, v in run_distributed(train_segment, world, cfg, root, stop_at)[0])
+        per_rank = run_distributed(train_segment, world, cfg, root, stop_at)
+        losses.update((int(s), float(v)) for s, v in per_rank[0])
     assert sorted(losses) == list(range(cfg.train.steps)), "the reference trained every step once"
     return losses

@@ -1,9 +1,14 @@
 """Bad input fails through the real CLI with a message naming the key, the value and what is
 valid, before any worker starts: no Ray, no MLflow run, no run folder."""
+
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from hydra import compose, initialize_config_dir
+
+from cluster.config import ConfigError, checked_config, register_schemas
 from tests.cluster.conftest import run_cli
 
 NOTHING_STARTED_MARKERS = ("Started a local Ray instance", "mlflow: run")
@@ -21,8 +26,15 @@ def assert_failed_before_start(result, launch_dir, *expected: str) -> None:
 
 def test_unknown_sharding_option_fails_listing_the_valid_options(launch_dir):
     result = run_cli(launch_dir, "sharding=full_shrad")
-    assert_failed_before_start(result, launch_dir, "Could not find 'sharding/full_shrad'",
-                               "full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+    assert_failed_before_start(
+        result,
+        launch_dir,
+        "Could not find 'sharding/full_shrad'",
+        "full_shard",
+        "shard_grad_op",
+        "no_shard",
+        "hybrid_shard",
+    )
 
 
 @pytest.mark.parametrize("override", ["train.foo=1", "+train.foo=1"])
@@ -45,8 +57,9 @@ def test_non_positive_steps_fails_naming_the_value(launch_dir, steps):
 
 def test_global_batch_smaller_than_world_size_fails(launch_dir):
     result = run_cli(launch_dir, "train.global_batch_size=3", "cluster.num_workers=4")
-    assert_failed_before_start(result, launch_dir, "train.global_batch_size=3",
-                               "at least the largest world size (4)")
+    assert_failed_before_start(
+        result, launch_dir, "train.global_batch_size=3", "at least the largest world size (4)"
+    )
 
 
 def test_missing_data_path_fails_naming_the_path(launch_dir):
@@ -57,18 +70,21 @@ def test_missing_data_path_fails_naming_the_path(launch_dir):
 
 def test_a_job_that_cannot_fit_the_device_fails_before_any_worker_starts(tmp_path):
     """The memory planner runs on the driver: 8B on 8 x 16 GiB without sharding cannot fit."""
-    from cluster.sweep import job_config
-    from cluster.config_schema import register_schemas
-    from hydra import compose, initialize_config_dir
-    from pathlib import Path
-
-    from trainer.config import ConfigError
-
     register_schemas()
     conf = str(Path(__file__).resolve().parents[2] / "conf")
     with initialize_config_dir(config_dir=conf, version_base=None):
-        dictcfg = compose("config", overrides=["model=8b", "sharding=no_shard", "cluster.num_workers=8",
-                                               "train.global_batch_size=8", "data.seq_len=2048",
-                                               "cluster.device_memory_gb=16"])
-    with pytest.raises(ConfigError, match="(?s)sharding.strategy=NO_SHARD.*needs .* GiB per worker.*DOES NOT FIT"):
-        job_config(dictcfg, str(tmp_path), None)
+        dictcfg = compose(
+            "config",
+            overrides=[
+                "model=8b",
+                "sharding=no_shard",
+                "cluster.num_workers=8",
+                "train.global_batch_size=8",
+                "data.seq_len=2048",
+                "cluster.device_memory_gb=16",
+            ],
+        )
+    with pytest.raises(
+        ConfigError, match="(?s)sharding.strategy=NO_SHARD.*needs .* GiB per worker.*DOES NOT FIT"
+    ):
+        checked_config(dictcfg, str(tmp_path))

@@ -1,21 +1,32 @@
-"""conf/ composes into trainer.config.JobConfig, and the driver-side transforms of it are exact."""
+"""conf/ composes into cluster.config.JobConfig, and the driver-side transforms of it are exact."""
+
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from cluster.config_schema import register_schemas, to_job_config
-from cluster.job_codec import job_from_dict, job_to_dict
-from cluster.paths import checkpoint_root, with_absolute_paths
+from cluster.config import (
+    JobConfig,
+    checkpoint_root,
+    job_from_dict,
+    job_to_dict,
+    register_schemas,
+    to_job_config,
+    with_absolute_paths,
+)
 from cluster.ray_launch import build_trainer, local_num_cpus
-from trainer.config import ConfigError, JobConfig
+from trainer.config import PRESETS
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-GROUP_OPTIONS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-                 for group in ("model", "sharding", "optim", "data", "cluster", "tracking")}
+GROUP_OPTIONS = {
+    "model": sorted(PRESETS),  # the presets are Python, registered with Hydra
+    **{
+        group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        for group in ("sharding", "optim", "data", "cluster", "tracking")
+    },
+}
 
 
 def composed(*overrides: str) -> JobConfig:
@@ -31,17 +42,32 @@ def test_each_group_has_the_options_the_issues_name():
     assert {"adamw"} <= set(GROUP_OPTIONS["optim"]) and {"stdlib"} <= set(GROUP_OPTIONS["data"])
 
 
-@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUP_OPTIONS.items() for o in opts])
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g, opts in GROUP_OPTIONS.items() for o in opts]
+)
 def test_every_group_option_composes_into_a_valid_job_config(group, option):
     cfg = composed(f"{group}={option}", "train.global_batch_size=16")
     assert isinstance(cfg, JobConfig) and cfg.validate() is cfg
 
 
-@pytest.mark.parametrize("option,strategy", [("full_shard", "FULL_SHARD"), ("no_shard", "NO_SHARD"),
-                                             ("shard_grad_op", "SHARD_GRAD_OP"),
-                                             ("hybrid_shard", "HYBRID_SHARD")])
+@pytest.mark.parametrize(
+    "option,strategy",
+    [
+        ("full_shard", "FULL_SHARD"),
+        ("no_shard", "NO_SHARD"),
+        ("shard_grad_op", "SHARD_GRAD_OP"),
+        ("hybrid_shard", "HYBRID_SHARD"),
+    ],
+)
 def test_sharding_option_selects_its_strategy(option, strategy):
     assert composed(f"sharding={option}").sharding.strategy == strategy
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_model_option_composes_to_exactly_its_preset(name):
+    """`model=<name>` on the command line is trainer.config.PRESETS[name], field for field: the
+    presets have one home, and Hydra reads them from there."""
+    assert composed(f"model={name}").model == PRESETS[name]
 
 
 def test_default_job_is_tiny_full_shard_on_two_local_cpu_workers():
@@ -63,15 +89,18 @@ def test_relative_paths_become_absolute_against_the_launch_dir(tmp_path, monkeyp
     cfg = with_absolute_paths(composed("cluster.run_name=r1"), str(tmp_path))
     assert cfg.data.prepared_dir == str(tmp_path / "data" / "prepared")
     assert cfg.cluster.storage_path == str(tmp_path / "runs")
-    assert cfg.train.checkpoint_dir == f"{tmp_path}/runs/r1/checkpoints"
+    assert cfg.checkpoint_root == f"{tmp_path}/runs/r1/checkpoints"
     assert cfg.tracking.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
 
 
 def test_uris_are_left_as_they_are(tmp_path):
     cfg = composed("cluster.storage_path=s3://bucket/runs", "data.prepared_dir=s3://bucket/data")
     cfg = with_absolute_paths(cfg, str(tmp_path))
-    assert (cfg.cluster.storage_path, cfg.data.prepared_dir) == ("s3://bucket/runs", "s3://bucket/data")
-    assert cfg.train.checkpoint_dir == "s3://bucket/runs/elastic-fsdp/checkpoints"
+    assert (cfg.cluster.storage_path, cfg.data.prepared_dir) == (
+        "s3://bucket/runs",
+        "s3://bucket/data",
+    )
+    assert cfg.checkpoint_root == "s3://bucket/runs/elastic-fsdp/checkpoints"
     assert checkpoint_root("s3://b/runs/", "x") == "s3://b/runs/x/checkpoints"
 
 
@@ -83,9 +112,15 @@ def test_local_ray_gets_just_enough_cpus_for_the_largest_worker_group():
 
 
 def test_trainer_is_built_from_the_cluster_config():
-    cfg = composed("cluster.min_workers=1", "cluster.max_workers=3", "cluster.max_failures=5",
-                   "cluster.pg_timeout_s=42.5", "cluster.storage_path=/tmp/store",
-                   "cluster.run_name=r2", "train.keep_checkpoints=2")
+    cfg = composed(
+        "cluster.min_workers=1",
+        "cluster.max_workers=3",
+        "cluster.max_failures=5",
+        "cluster.pg_timeout_s=42.5",
+        "cluster.storage_path=/tmp/store",
+        "cluster.run_name=r2",
+        "train.keep_checkpoints=2",
+    )
     trainer = build_trainer(cfg, {"job": job_to_dict(cfg)})
     assert trainer.scaling_config.num_workers == (1, 3)
     assert trainer.scaling_config.resources_per_worker == {"CPU": 1.0}

@@ -19,6 +19,7 @@ elastic records) equals the uninterrupted run's within 1e-5 relative; no step is
 Ray's clocks are shortened by env vars (elastic_cluster.FAST_RAY_TRAIN_ENV); the timeouts here
 are generous because this 2-core machine is shared. The recovery times measured are printed.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,16 +28,27 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
+from cluster.config import register_schemas, to_job_config
 from tests.cluster.elastic_cluster import LocalCluster, attempts, start_cli, wait_until
 from tests.cluster.elastic_reference import reference_losses
 from trainer.checkpoint import list_checkpoints
+from trainer.data import prepare
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=160", "data.seq_len=32",
-         "data.max_bytes=300000", "train.global_batch_size=6", "optim.warmup_steps=2",
-         "train.checkpoint_every=3"]
+SMALL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.ffn_dim=160",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "train.global_batch_size=6",
+    "optim.warmup_steps=2",
+    "train.checkpoint_every=3",
+]
 CRASH_STEPS = 80
 ELASTIC_STEPS = 300
 RUN_TIMEOUT = 420.0
@@ -45,11 +57,10 @@ REL = 1e-5
 
 # ---- fixtures ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> str:
     """The token shards every run here reads (prepared once; the CLI finds them ready)."""
-    from trainer.data import prepare
-
     cfg = job_config([], str(tmp_path_factory.mktemp("data") / "prepared"))
     prepare(cfg.data)
     return cfg.data.prepared_dir
@@ -65,10 +76,6 @@ def cluster():
 
 def job_config(overrides, prepared: str):
     """The JobConfig the CLI composes from the same overrides (Hydra, conf/)."""
-    from hydra import compose, initialize_config_dir
-
-    from cluster.config_schema import register_schemas, to_job_config
-
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         dictcfg = compose("config", overrides=cli_overrides(prepared, *overrides))
@@ -81,7 +88,9 @@ def cli_overrides(prepared: str, *extra: str) -> list[str]:
 
 def reference_for(steps: int, prepared: str, schedule, tmp: Path) -> dict[int, float]:
     """{step: loss} of the run's config trained at `schedule`'s world sizes without Ray."""
-    return reference_losses(job_config([f"train.steps={steps}"], prepared), schedule, str(tmp / "ckpt"))
+    return reference_losses(
+        job_config([f"train.steps={steps}"], prepared), schedule, str(tmp / "ckpt")
+    )
 
 
 def mlflow_runs(launch_dir: Path, experiment: str) -> list:
@@ -106,41 +115,76 @@ def recovery_summary(records: list[dict]) -> list[str]:
         rec = r.get("recovery")
         if rec and rec.get("recovery_s") is not None:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in rec["breakdown"].items())
-            out.append(f"world {r['world_size']} from step {r['start_step']}: {rec['recovery_s']:.1f} s "
-                       f"({parts}), {rec['steps_lost']} steps lost")
+            out.append(
+                f"world {r['world_size']} from step {r['start_step']}: "
+                f"{rec['recovery_s']:.1f} s ({parts}), {rec['steps_lost']} steps lost"
+            )
     return out
 
 
 # ---- 1. a crash, a drain, a resubmission ------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def crash_then_drain(cluster, prepared, tmp_path_factory):
     launch = tmp_path_factory.mktemp("crash")
     run_dir = launch / "runs" / "crash"
-    args = cli_overrides(prepared, f"train.steps={CRASH_STEPS}", "cluster.num_workers=2",
-                         "cluster.run_name=crash", "tracking.experiment=crash", "cluster.max_failures=2",
-                         "fault.kill_rank=1", "fault.at_step=5", "fault.kind=crash")
+    args = cli_overrides(
+        prepared,
+        f"train.steps={CRASH_STEPS}",
+        "cluster.num_workers=2",
+        "cluster.run_name=crash",
+        "tracking.experiment=crash",
+        "cluster.max_failures=2",
+        "fault.kill_rank=1",
+        "fault.at_step=5",
+        "fault.kind=crash",
+    )
     first = start_cli(launch, cluster.address, *args)
     for group in (2, 3):  # drain the group restarted after the crash, then the one after that
-        running = wait_until(lambda: (a := attempts(run_dir)) and len(a) >= group and a[-1]["start_step"] is not None
-                             and a[-1]["last_step"] >= a[-1]["start_step"] + 4 and a[-1],
-                             RUN_TIMEOUT, f"group {group} to train 5 steps", first)
+        running = wait_until(
+            lambda: (
+                (a := attempts(run_dir))
+                and len(a) >= group
+                and a[-1]["start_step"] is not None
+                and a[-1]["last_step"] >= a[-1]["start_step"] + 4
+                and a[-1]
+            ),
+            RUN_TIMEOUT,
+            f"group {group} to train 5 steps",
+            first,
+        )
         os.kill(running["pid"], signal.SIGTERM)  # its rank 0: a graceful drain
     first_rc = first.wait(RUN_TIMEOUT)
     first_out = first.output()
     records_before = attempts(run_dir)
-    checkpoints_before = [c.step for c in list_checkpoints(str(run_dir / "checkpoints")) if not c.problem]
+    checkpoints_before = [
+        c.step for c in list_checkpoints(str(run_dir / "checkpoints")) if not c.problem
+    ]
     again = start_cli(launch, cluster.address, *args)  # the same command: the same run
     again_rc = again.wait(RUN_TIMEOUT)
-    reference = reference_for(CRASH_STEPS, prepared, [(2, None)], tmp_path_factory.mktemp("ref-crash"))
+    reference = reference_for(
+        CRASH_STEPS, prepared, [(2, None)], tmp_path_factory.mktemp("ref-crash")
+    )
     records = attempts(run_dir)
     print("\n".join(["crash/drain recoveries:", *recovery_summary(records)]))
-    return dict(launch=launch, run_dir=run_dir, first_rc=first_rc, first_out=first_out, again_rc=again_rc,
-                again_out=again.output(), records_before=records_before, records=records,
-                checkpoints_before=checkpoints_before, reference=reference)
+    return dict(
+        launch=launch,
+        run_dir=run_dir,
+        first_rc=first_rc,
+        first_out=first_out,
+        again_rc=again_rc,
+        again_out=again.output(),
+        records_before=records_before,
+        records=records,
+        checkpoints_before=checkpoints_before,
+        reference=reference,
+    )
 
 
-def test_crashed_worker_is_replaced_and_its_group_resumes_from_the_last_checkpoint(crash_then_drain):
+def test_crashed_worker_is_replaced_and_its_group_resumes_from_the_last_checkpoint(
+    crash_then_drain,
+):
     r = crash_then_drain
     crashed, restarted, _ = r["records_before"]
     marker = (r["run_dir"] / "elastic" / "fault.json").read_text()
@@ -160,18 +204,23 @@ def test_drained_group_checkpoints_the_step_it_is_at_and_loses_nothing(crash_the
         assert group["last_step"] == left - 1, "every trained step is in the drain's checkpoint"
         assert left in r["checkpoints_before"]
     assert drained_again["start_step"] == drained["left_at"]["step"]
-    assert drained_again["recovery"]["steps_lost"] == 0 and drained_again["recovery"]["recovery_s"] > 0
+    assert drained_again["recovery"]["steps_lost"] == 0
+    assert drained_again["recovery"]["recovery_s"] > 0
     assert "SIGTERM: checkpointing the current step before leaving" in r["first_out"]
     assert r["first_rc"] != 0, "the second drain was the third failure with cluster.max_failures=2"
     first_run = mlflow_runs(r["launch"], "crash")[0]
-    assert history(r["launch"], first_run, "elastic/steps_lost") == [(3, 2.0), (drained["left_at"]["step"], 0.0)]
+    assert history(r["launch"], first_run, "elastic/steps_lost") == [
+        (3, 2.0),
+        (drained["left_at"]["step"], 0.0),
+    ]
 
 
 def test_run_submitted_again_after_it_stopped_resumes_from_its_last_checkpoint(crash_then_drain):
     r = crash_then_drain
     left = r["records_before"][-1]["left_at"]["step"]
     assert r["again_rc"] == 0, r["again_out"][-6000:]
-    assert f"resumed from {r['run_dir']}/checkpoints/step_{left:09d} at step {left}" in r["again_out"]
+    resumed = f"resumed from {r['run_dir']}/checkpoints/step_{left:09d} at step {left}"
+    assert resumed in r["again_out"]
     assert "fault injection" not in r["again_out"], "a fault fires once per run"
     assert len(r["records"]) == 4 and r["records"][-1]["last_step"] == CRASH_STEPS - 1
     first_run, second_run = mlflow_runs(r["launch"], "crash")
@@ -199,48 +248,86 @@ def test_crash_and_drain_losses_equal_an_uninterrupted_run_with_no_step_skipped(
 
 # ---- 2. a node lost, a node added ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def node_lost_then_added(cluster, prepared, tmp_path_factory):
     launch = tmp_path_factory.mktemp("elastic")
     run_dir = launch / "runs" / "elastic"
-    args = cli_overrides(prepared, f"train.steps={ELASTIC_STEPS}", "cluster.min_workers=1",
-                         "cluster.max_workers=2", "cluster.elastic_resize_monitor_interval_s=1",
-                         "cluster.run_name=elastic", "tracking.experiment=elastic")
+    args = cli_overrides(
+        prepared,
+        f"train.steps={ELASTIC_STEPS}",
+        "cluster.min_workers=1",
+        "cluster.max_workers=2",
+        "cluster.elastic_resize_monitor_interval_s=1",
+        "cluster.run_name=elastic",
+        "tracking.experiment=elastic",
+    )
     run = start_cli(launch, cluster.address, *args)
-    wait_until(lambda: (a := attempts(run_dir)) and a[-1]["world_size"] == 2 and (a[-1]["last_step"] or 0) >= 7,
-               RUN_TIMEOUT, "step 7 at world size 2", run)
+    wait_until(
+        lambda: (
+            (a := attempts(run_dir)) and a[-1]["world_size"] == 2 and (a[-1]["last_step"] or 0) >= 7
+        ),
+        RUN_TIMEOUT,
+        "step 7 at world size 2",
+        run,
+    )
     cluster.remove_node(cluster.second)  # its worker process dies with it
-    wait_until(lambda: (a := attempts(run_dir)) and a[-1]["world_size"] == 1
-               and (a[-1]["last_step"] or -1) >= a[-2]["last_step"] + 2, RUN_TIMEOUT,
-               "two new steps at world size 1", run)
+    wait_until(
+        lambda: (
+            (a := attempts(run_dir))
+            and a[-1]["world_size"] == 1
+            and (a[-1]["last_step"] or -1) >= a[-2]["last_step"] + 2
+        ),
+        RUN_TIMEOUT,
+        "two new steps at world size 1",
+        run,
+    )
     added_at = time.time()
     added = cluster.add_node(1)
-    wait_until(lambda: (a := attempts(run_dir)) and a[-1]["world_size"] == 2 and a[-1]["started"] > added_at
-               and (a[-1]["last_step"] or -1) >= (a[-1]["start_step"] or 0) + 4,
-               RUN_TIMEOUT, "the group grown back to 2 to train 5 steps", run)
+    wait_until(
+        lambda: (
+            (a := attempts(run_dir))
+            and a[-1]["world_size"] == 2
+            and a[-1]["started"] > added_at
+            and (a[-1]["last_step"] or -1) >= (a[-1]["start_step"] or 0) + 4
+        ),
+        RUN_TIMEOUT,
+        "the group grown back to 2 to train 5 steps",
+        run,
+    )
     cluster.preempt_node(added)
     rc = run.wait(RUN_TIMEOUT)
     records = attempts(run_dir)
     schedule = [(a["world_size"], b["start_step"]) for a, b in zip(records, records[1:])]
-    reference = reference_for(ELASTIC_STEPS, prepared, schedule + [(records[-1]["world_size"], None)],
-                          tmp_path_factory.mktemp("ref-elastic"))
+    reference = reference_for(
+        ELASTIC_STEPS,
+        prepared,
+        schedule + [(records[-1]["world_size"], None)],
+        tmp_path_factory.mktemp("ref-elastic"),
+    )
     print("\n".join(["elastic recoveries:", *recovery_summary(records)]))
     return dict(launch=launch, rc=rc, out=run.output(), records=records, reference=reference)
 
 
-def test_run_goes_on_at_the_smaller_size_when_a_node_is_lost_and_grows_when_one_is_added(node_lost_then_added):
+def test_run_goes_on_at_the_smaller_size_when_a_node_is_lost_and_grows_when_one_is_added(
+    node_lost_then_added,
+):
     r = node_lost_then_added
     assert r["rc"] == 0, r["out"][-6000:]
     records = r["records"]
     assert [a["world_size"] for a in records] == [2, 1, 2, 1]
-    assert "startup timed out" not in r["out"], "the restart after the node loss asked for the lost node"
+    assert "startup timed out" not in r["out"], (
+        "the restart after the node loss asked for the lost node"
+    )
     assert "cannot renew Ray's cluster view" not in r["out"]
     assert all(a["last_step"] >= a["start_step"] for a in records), "every group trained"
     assert records[-1]["last_step"] == ELASTIC_STEPS - 1
     for restart in records[1:]:
         lost = restart["recovery"]["steps_lost"]
         assert restart["recovery"]["recovery_s"] > 0
-        assert lost == len(restart.get("retrained_losses", {})), "the steps lost are the steps trained again"
+        assert lost == len(restart.get("retrained_losses", {})), (
+            "the steps lost are the steps trained again"
+        )
     (run,) = mlflow_runs(r["launch"], "elastic")
     sizes = history(r["launch"], run, "elastic/world_size")
     changes = [sizes[0][1]] + [v for (_, a), (_, v) in zip(sizes, sizes[1:]) if v != a]
@@ -265,6 +352,8 @@ def test_resized_run_losses_equal_an_uninterrupted_run_with_no_step_skipped(node
     assert_matches_reference(losses, r["reference"], "first training")
     for record in r["records"][1:]:
         retrained = record.get("retrained_losses", {})
-        assert_matches_reference(retrained, r["reference"], f"trained again at world {record['world_size']}")
+        assert_matches_reference(
+            retrained, r["reference"], f"trained again at world {record['world_size']}"
+        )
         for step, loss in retrained.items():
             assert loss == pytest.approx(losses[int(step)], rel=REL), f"step {step}: first vs again"

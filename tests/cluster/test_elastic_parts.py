@@ -1,8 +1,9 @@
-"""cluster/elastic.py without Ray: the fault drill, the drain watcher, SIGTERM, the elastic metrics.
+"""cluster/elastic/ without Ray: the fault drill, the drain watcher, SIGTERM, the elastic metrics.
 
 The same parts run on a real multi-node Ray cluster in test_elastic.py; here each rule is pinned
 down in milliseconds, with a fake clock where times matter.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster import elastic
-from cluster.elastic import (DrainWatcher, ElasticTracker, FaultInjector, RunFolder, chain)
-from trainer.config import FaultConfig
+from cluster.config import FaultConfig
+from cluster.elastic import DrainWatcher, ElasticTracker, FaultInjector, RunFolder, chain
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,6 +56,7 @@ def train(tracker, clock, steps, step_s=0.1, loss=lambda s: 5.0 - 0.1 * s):
 
 # ---- the run folder ---------------------------------------------------------------------------
 
+
 def test_run_folder_reads_what_it_wrote_and_a_torn_document_as_missing(folder, tmp_path):
     folder.write("attempts/1.json", {"a": 1})
     folder.write("fault.json", {"b": 2}, durable=True)
@@ -66,6 +68,7 @@ def test_run_folder_reads_what_it_wrote_and_a_torn_document_as_missing(folder, t
 
 
 # ---- fault injection --------------------------------------------------------------------------
+
 
 def test_crash_fires_once_per_run_on_its_rank_at_its_step(folder):
     exits = []
@@ -96,6 +99,7 @@ def test_disabled_fault_never_fires(folder):
 
 
 # ---- graceful drain ---------------------------------------------------------------------------
+
 
 def test_drain_watcher_stops_on_a_preemption_notice_and_polls_ray_every_time():
     calls = []
@@ -128,7 +132,7 @@ def test_only_the_ranks_a_preemption_names_leave_their_process_the_others_raise(
 SIGTERM_CHILD = textwrap.dedent("""
     import os, signal, sys, time
     from cluster import elastic
-    from trainer.config import FaultConfig
+    from cluster.config import FaultConfig
 
     elastic.install_sigterm_handler()
     watcher = elastic.DrainWatcher(0)
@@ -137,8 +141,8 @@ SIGTERM_CHILD = textwrap.dedent("""
     with elastic.training():
         for step in range(5):
             if watcher():
-                print("stopped before step", step, "because", watcher.reason, "leaving", watcher.leaving,
-                      flush=True)
+                print("stopped before step", step, "because", watcher.reason, "leaving",
+                      watcher.leaving, flush=True)
                 break
             drill(step)
     # Outside training a SIGTERM is not a drain: the previous handler (here the default) ends us.
@@ -149,18 +153,28 @@ SIGTERM_CHILD = textwrap.dedent("""
 """)
 
 
-def test_drain_drill_sends_sigterm_which_stops_training_at_the_next_step_and_only_while_training(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SIGTERM_CHILD, str(tmp_path / "elastic")],
-                          capture_output=True, text=True, timeout=60, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+def test_drain_drill_sends_sigterm_which_stops_training_at_the_next_step_and_only_while_training(
+    tmp_path,
+):
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERM_CHILD, str(tmp_path / "elastic")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert "fault injection: drain of rank 0 before step 2" in proc.stdout, proc.stderr
-    assert "stopped before step 3 because SIGTERM leaving True" in proc.stdout, proc.stdout + proc.stderr
+    assert "stopped before step 3 because SIGTERM leaving True" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
     assert "training over" in proc.stdout and "still alive" not in proc.stdout
     assert proc.returncode == -signal.SIGTERM
     assert json.loads((tmp_path / "elastic" / "fault.json").read_text())["kind"] == "drain"
 
 
 # ---- elastic metrics --------------------------------------------------------------------------
+
 
 def test_first_group_reports_no_restart_and_no_recovery(folder):
     clock = Clock()
@@ -195,7 +209,8 @@ def test_graceful_drain_loses_no_step_and_an_unannounced_death_times_from_the_la
     clock.t += 7.0
     metrics = train(start_group(folder, clock, world=1), clock, range(6, 8))
     assert metrics[0]["elastic/steps_lost"] == 0.0
-    assert metrics[0]["elastic/recovery_s"] == pytest.approx(7.1, abs=1e-6)  # first step done at 1007.7
+    # the first step done at 1007.7
+    assert metrics[0]["elastic/recovery_s"] == pytest.approx(7.1, abs=1e-6)
     assert folder.read(first.name)["left_at"]["step"] == 6
 
 
@@ -238,7 +253,9 @@ class CountingFolder(RunFolder):
         super().write(name, doc, durable)
 
 
-def test_progress_is_written_every_step_on_disk_but_at_most_once_a_second_on_an_object_store(folder):
+def test_progress_is_written_every_step_on_disk_but_at_most_once_a_second_on_an_object_store(
+    folder,
+):
     writes = {}
     for local in (True, False):
         counting = CountingFolder(folder, local)
@@ -264,19 +281,26 @@ def test_chain_calls_every_hook_in_order():
 
 # ---- the controller's view of the cluster -----------------------------------------------------
 
+
 def test_workers_that_fit_count_only_alive_nodes_not_being_drained():
-    nodes = [{"NodeID": "a", "Alive": True, "Resources": {"CPU": 3.0, "GPU": 2.0}},
-             {"NodeID": "b", "Alive": True, "Resources": {"CPU": 8.0}},
-             {"NodeID": "c", "Alive": False, "Resources": {"CPU": 4.0, "GPU": 4.0}},
-             {"NodeID": "d", "Alive": True, "Resources": {"CPU": 4.0, "GPU": 4.0}}]
+    nodes = [
+        {"NodeID": "a", "Alive": True, "Resources": {"CPU": 3.0, "GPU": 2.0}},
+        {"NodeID": "b", "Alive": True, "Resources": {"CPU": 8.0}},
+        {"NodeID": "c", "Alive": False, "Resources": {"CPU": 4.0, "GPU": 4.0}},
+        {"NodeID": "d", "Alive": True, "Resources": {"CPU": 4.0, "GPU": 4.0}},
+    ]
     assert elastic.workers_that_fit({"CPU": 1.0, "GPU": 1.0}, nodes, draining={"d"}) == 2
     assert elastic.workers_that_fit({"CPU": 2.0, "GPU": 0.0}, nodes, draining=set()) == 1 + 4 + 2
 
 
-def test_cluster_view_lowers_a_decision_to_the_staying_nodes_but_never_below_min_or_above_ray(monkeypatch):
+def test_cluster_view_lowers_a_decision_to_the_staying_nodes_but_never_below_min_or_above_ray(
+    monkeypatch,
+):
     view = elastic.ClusterView(interval_s=1.0, min_workers=2)
     for fits, decided, expected in [(2, 3, 2), (1, 3, 3), (4, 3, 3)]:
-        monkeypatch.setattr(elastic, "workers_that_fit", lambda per_worker, fits=fits: fits)
+        monkeypatch.setattr(
+            elastic.cluster_view, "workers_that_fit", lambda per_worker, fits=fits: fits
+        )
         decision = SimpleNamespace(num_workers=decided, resources_per_worker={"CPU": 1.0})
         view.before_controller_execute_resize_decision(decision)
         assert decision.num_workers == expected, (fits, decided)

@@ -1,15 +1,20 @@
-"""trainer/metrics.py against a real MLflow sqlite store in a tmp dir."""
-from __future__ import annotations
+"""cluster/tracking.py (the driver) and trainer/metrics.py (the workers) against a real MLflow
+sqlite store in a tmp dir."""
 
-import dataclasses
+from __future__ import annotations
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from trainer.config import JobConfig, flatten
-from trainer.metrics import (MAX_PARAM_VAL_LENGTH, MetricsLogger, MLflowLogger, NullLogger,
-                             create_run, metric_history, param_value, resolve_tracking_uri,
-                             ui_command)
+from cluster.config import JobConfig, flatten
+from cluster.tracking import create_run, metric_history, resolve_tracking_uri, ui_command
+from trainer.metrics import (
+    MAX_PARAM_VAL_LENGTH,
+    MetricsLogger,
+    MLflowLogger,
+    NullLogger,
+    param_value,
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,16 +24,19 @@ def store(tmp_path_factory) -> str:
 
 def test_relative_sqlite_uri_becomes_absolute_against_the_launch_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert resolve_tracking_uri("sqlite:///mlflow.db", str(tmp_path)) == f"sqlite:///{tmp_path}/mlflow.db"
-    assert resolve_tracking_uri("sqlite:///sub/m.db", str(tmp_path)) == f"sqlite:///{tmp_path}/sub/m.db"
-    assert resolve_tracking_uri("sqlite:////abs/m.db", str(tmp_path)) == "sqlite:////abs/m.db"
-    assert resolve_tracking_uri("mlruns", str(tmp_path)) == str(tmp_path / "mlruns")
-    assert resolve_tracking_uri("http://mlflow:5000", str(tmp_path)) == "http://mlflow:5000"
+    base = str(tmp_path)
+    assert resolve_tracking_uri("sqlite:///mlflow.db", base) == f"sqlite:///{tmp_path}/mlflow.db"
+    assert resolve_tracking_uri("sqlite:///sub/m.db", base) == f"sqlite:///{tmp_path}/sub/m.db"
+    assert resolve_tracking_uri("sqlite:////abs/m.db", base) == "sqlite:////abs/m.db"
+    assert resolve_tracking_uri("mlruns", base) == str(tmp_path / "mlruns")
+    assert resolve_tracking_uri("http://mlflow:5000", base) == "http://mlflow:5000"
 
 
 def test_mlflow_tracking_uri_in_the_environment_wins(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///env.db")
-    assert resolve_tracking_uri("http://ignored:5000", str(tmp_path)) == f"sqlite:///{tmp_path}/env.db"
+    assert (
+        resolve_tracking_uri("http://ignored:5000", str(tmp_path)) == f"sqlite:///{tmp_path}/env.db"
+    )
 
 
 def test_run_carries_the_flattened_config_as_params_and_the_job_as_tags(store):
@@ -69,9 +77,10 @@ def test_logger_attaches_to_the_drivers_run_and_logs_by_step(store, tmp_path):
     client = MlflowClient(store)
     assert client.get_run(run_id).data.tags["elastic/restarts"] == "0"
     assert [a.path for a in client.list_artifacts(run_id)] == ["note.txt"]
-    db_dir = store[len("sqlite:///"):].rsplit("/", 1)[0]
+    db_dir = store[len("sqlite:///") :].rsplit("/", 1)[0]
     experiment = client.get_experiment(client.get_run(run_id).info.experiment_id)
-    assert experiment.artifact_location.endswith(f"{db_dir}/mlruns")  # next to the store, not in cwd
+    # next to the store, not in cwd
+    assert experiment.artifact_location.endswith(f"{db_dir}/mlruns")
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) >= 1
 
 
@@ -89,11 +98,14 @@ def test_long_param_values_are_cut_to_mlflows_limit():
 
 def test_null_logger_is_a_metrics_logger_that_does_nothing():
     logger = NullLogger()
-    assert isinstance(logger, MetricsLogger) and isinstance(MLflowLogger.__new__(MLflowLogger), MetricsLogger)
+    assert isinstance(logger, MetricsLogger)
+    assert isinstance(MLflowLogger.__new__(MLflowLogger), MetricsLogger)
     logger.log_metrics({"a": 1}, step=1)
     logger.close()
 
 
 def test_ui_command_names_the_store():
-    assert ui_command("sqlite:////x/mlflow.db").endswith("ui --backend-store-uri sqlite:////x/mlflow.db")
+    assert ui_command("sqlite:////x/mlflow.db").endswith(
+        "ui --backend-store-uri sqlite:////x/mlflow.db"
+    )
     assert "http://h:5000" in ui_command("http://h:5000")

@@ -1,4 +1,5 @@
 """The pointer folders Ray Train keeps for each reported checkpoint (cluster/ray_checkpoint.py)."""
+
 from __future__ import annotations
 
 import pyarrow.fs as pafs

@@ -1,6 +1,7 @@
 """cluster/report.py on a sqlite store filled with known metrics (no Ray): the numbers in the
 table, the files, the images, and which runs a target names. The report on a real sweep is in
 test_sweep.py."""
+
 from __future__ import annotations
 
 import csv
@@ -10,10 +11,19 @@ import matplotlib.image
 import pytest
 from mlflow.tracking import MlflowClient
 
-from cluster.report import (PLOT_SIZE_PX, REPORT_FILES, RunSummary, find_runs, format_table, main,
-                            summarize, write_report)
-from trainer.config import JobConfig
-from trainer.metrics import MLflowLogger, create_run, create_sweep_run, end_run
+from cluster.config import JobConfig
+from cluster.report import (
+    PLOT_SIZE_PX,
+    REPORT_FILES,
+    RunSummary,
+    find_runs,
+    format_table,
+    main,
+    summarize,
+    write_report,
+)
+from cluster.tracking import create_run, create_sweep_run, end_run
+from trainer.metrics import MLflowLogger
 
 MiB = 2**20
 EXPERIMENT = "report-test"
@@ -25,19 +35,27 @@ def log_job(store: str, parent: str, num: int, strategy: str) -> str:
     """A finished child run whose metrics are known: job `num` is (num + 1) times job 0."""
     cfg = JobConfig()
     cfg.sharding.strategy, cfg.tracking.experiment = strategy, EXPERIMENT
-    run_id = create_run(cfg, store, parent_run_id=parent, run_name=f"sharding={strategy.lower()}",
-                        tags={"sweep.job": num})
+    run_id = create_run(
+        cfg,
+        store,
+        parent_run_id=parent,
+        run_name=f"sharding={strategy.lower()}",
+        tags={"sweep.job": num},
+    )
     logger = MLflowLogger(store, run_id)
     k = num + 1
     for step in range(STEPS):
         warm = step == 0  # the first step is slow: the report must leave it out
-        logger.log_metrics({
-            "train/loss": 5.0 - 0.5 * step - 0.1 * num,
-            "perf/tokens_per_s": 1.0 if warm else 100.0 * k * step,
-            "perf/step_ms": 10_000.0 if warm else 10.0 * k * step,
-            "mem/peak_total_bytes": k * MiB * (step + 1) / STEPS,
-            "comm/total_bytes": 2.0 * k * MiB,
-        }, step=step)
+        logger.log_metrics(
+            {
+                "train/loss": 5.0 - 0.5 * step - 0.1 * num,
+                "perf/tokens_per_s": 1.0 if warm else 100.0 * k * step,
+                "perf/step_ms": 10_000.0 if warm else 10.0 * k * step,
+                "mem/peak_total_bytes": k * MiB * (step + 1) / STEPS,
+                "comm/total_bytes": 2.0 * k * MiB,
+            },
+            step=step,
+        )
     end_run(store, run_id, ok=True)
     return run_id
 
@@ -53,8 +71,9 @@ def sweeps(store):
     older = create_sweep_run(store, EXPERIMENT, "sweep old", {}, {"sweep.jobs": 1})
     log_job(store, older, 0, "FULL_SHARD")
     end_run(store, older, ok=True)
-    parent = create_sweep_run(store, EXPERIMENT, "sweep sharding=...", {"model.name": "tiny"},
-                              {"sweep.jobs": 3})
+    parent = create_sweep_run(
+        store, EXPERIMENT, "sweep sharding=...", {"model.name": "tiny"}, {"sweep.jobs": 3}
+    )
     children = [log_job(store, parent, num, s) for num, s in enumerate(STRATEGIES)]
     return parent, children
 
@@ -67,8 +86,11 @@ def test_a_row_holds_medians_after_the_first_step_the_peak_and_the_last_loss(sto
     for num, run in enumerate(runs):
         row = summarize(client, run)
         k = num + 1
-        assert (row.name, row.strategy, row.world_size) == (f"sharding={STRATEGIES[num].lower()}",
-                                                            STRATEGIES[num], "2")
+        assert (row.name, row.strategy, row.world_size) == (
+            f"sharding={STRATEGIES[num].lower()}",
+            STRATEGIES[num],
+            "2",
+        )
         assert row.tokens_per_s == pytest.approx(250.0 * k)  # median of 100k..400k, step 0 left out
         assert row.step_ms == pytest.approx(25.0 * k)
         assert row.peak_memory_bytes == pytest.approx(k * MiB)
@@ -78,7 +100,9 @@ def test_a_row_holds_medians_after_the_first_step_the_peak_and_the_last_loss(sto
         assert math.isnan(row.device_peak_bytes)  # CPU runs log no device memory
 
 
-def test_report_prints_the_table_writes_the_files_and_logs_them_to_the_parent(store, sweeps, tmp_path, capsys):
+def test_report_prints_the_table_writes_the_files_and_logs_them_to_the_parent(
+    store, sweeps, tmp_path, capsys
+):
     parent, _ = sweeps
     report = write_report(store, parent, str(tmp_path / "out"))
     printed = capsys.readouterr().out
@@ -86,8 +110,28 @@ def test_report_prints_the_table_writes_the_files_and_logs_them_to_the_parent(st
     lines = report.table.splitlines()
     assert lines[0].split()[:4] == ["run", "strategy", "world", "tokens/s"]
     assert [line.split() for line in lines[2:]] == [
-        ["sharding=full_shard", "FULL_SHARD", "2", "250", "25.0", "1.00", "2.00", "3.0000", "FINISHED"],
-        ["sharding=shard_grad_op", "SHARD_GRAD_OP", "2", "500", "50.0", "2.00", "4.00", "2.9000", "FINISHED"],
+        [
+            "sharding=full_shard",
+            "FULL_SHARD",
+            "2",
+            "250",
+            "25.0",
+            "1.00",
+            "2.00",
+            "3.0000",
+            "FINISHED",
+        ],
+        [
+            "sharding=shard_grad_op",
+            "SHARD_GRAD_OP",
+            "2",
+            "500",
+            "50.0",
+            "2.00",
+            "4.00",
+            "2.9000",
+            "FINISHED",
+        ],
         ["sharding=no_shard", "NO_SHARD", "2", "750", "75.0", "3.00", "6.00", "2.8000", "FINISHED"],
     ]
     assert sorted(p.rsplit("/", 1)[1] for p in report.files) == sorted(REPORT_FILES)
@@ -146,12 +190,25 @@ def test_a_missing_store_is_an_error_and_is_not_created(tmp_path, capsys):
 
 
 def test_the_table_shows_device_memory_only_when_measured_and_a_dash_when_missing():
-    cpu = RunSummary("a", "cpu-run", "FINISHED", "FULL_SHARD", "2", 1000.0, 5.0, MiB, math.nan,
-                     math.nan, 3.0)
-    gpu = RunSummary("b", "gpu-run", "FAILED", "NO_SHARD", "8", 2000.0, 4.0, MiB, 10 * MiB, MiB, 2.5)
+    cpu = RunSummary(
+        "a", "cpu-run", "FINISHED", "FULL_SHARD", "2", 1000.0, 5.0, MiB, math.nan, math.nan, 3.0
+    )
+    gpu = RunSummary(
+        "b", "gpu-run", "FAILED", "NO_SHARD", "8", 2000.0, 4.0, MiB, 10 * MiB, MiB, 2.5
+    )
     assert "device peak MiB" not in format_table([cpu])
     table = format_table([cpu, gpu]).splitlines()
     assert "device peak MiB" in table[0]
-    assert table[2].split() == ["cpu-run", "FULL_SHARD", "2", "1,000", "5.0", "1.00", "-", "-",
-                                "3.0000", "FINISHED"]
+    assert table[2].split() == [
+        "cpu-run",
+        "FULL_SHARD",
+        "2",
+        "1,000",
+        "5.0",
+        "1.00",
+        "-",
+        "-",
+        "3.0000",
+        "FINISHED",
+    ]
     assert table[3].split()[6] == "10.0"

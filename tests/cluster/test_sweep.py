@@ -5,6 +5,7 @@ on the shrunk tiny model, 2 CPU workers, one local Ray for all three jobs. Most 
 (start-up, then a TorchTrainer worker group per job); the training itself is a second a job.
 The bad-value tests run no Ray at all: they must fail before anything starts.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,43 +13,75 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from cluster.job_codec import job_from_dict
+from cluster.config import JobConfig, flatten, job_from_dict
 from cluster.report import PLOT_SIZE_PX, REPORT_FILES
+from cluster.tracking import create_run, git_commit
 from tests.cluster.conftest import REPO, CliResult, run_cli
-from trainer.config import JobConfig, flatten
-from trainer.metrics import MLflowLogger, create_run, git_commit, last_logged_steps
+from trainer.metrics import MLflowLogger, last_logged_steps, start_system_metrics
 
 STEPS = 3
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 EXPERIMENT = "sweep-test"
-SHRUNK = ("model.n_layers=2", "model.dim=64", "model.ffn_dim=128", "data.max_bytes=300000",
-          "data.seq_len=64", f"train.steps={STEPS}", "train.checkpoint_every=0",
-          "optim.warmup_steps=1", "cluster.num_workers=2", f"tracking.experiment={EXPERIMENT}")
+SHRUNK = (
+    "model.n_layers=2",
+    "model.dim=64",
+    "model.ffn_dim=128",
+    "data.max_bytes=300000",
+    "data.seq_len=64",
+    f"train.steps={STEPS}",
+    "train.checkpoint_every=0",
+    "optim.warmup_steps=1",
+    "cluster.num_workers=2",
+    f"tracking.experiment={EXPERIMENT}",
+)
 # What the loop logs every step on CPU (trainer/loop.py Trainer.metrics + the engine's accounting).
 PER_STEP_METRICS = (
-    "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_ms",
-    "perf/tflops_per_worker", "elastic/world_size", "comm/all_gather_bytes",
-    "comm/reduce_scatter_bytes", "comm/all_reduce_bytes", "comm/total_bytes",
-    "mem/sharded_params_bytes", "mem/sharded_grads_bytes", "mem/optim_state_bytes",
-    "mem/peak_total_bytes")
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "perf/tokens_per_s",
+    "perf/step_ms",
+    "perf/tflops_per_worker",
+    "elastic/world_size",
+    "comm/all_gather_bytes",
+    "comm/reduce_scatter_bytes",
+    "comm/all_reduce_bytes",
+    "comm/total_bytes",
+    "mem/sharded_params_bytes",
+    "mem/sharded_grads_bytes",
+    "mem/optim_state_bytes",
+    "mem/peak_total_bytes",
+)
 NOTHING_STARTED_MARKERS = ("Started a local Ray instance", "mlflow: run", "mlflow: sweep parent")
 
 
 def run_train(launch_dir: Path, *args: str, timeout: float) -> CliResult:
     """`python -m cluster.train ARGS` (a multirun: no hydra.run.dir) from launch_dir."""
-    return run_cli(launch_dir, *args, timeout=timeout, run_dir=False,
-                   env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"})
+    return run_cli(
+        launch_dir,
+        *args,
+        timeout=timeout,
+        run_dir=False,
+        env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"},
+    )
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     launch_dir = tmp_path_factory.mktemp("sweep")
-    result = run_train(launch_dir, "-m", f"sharding={','.join(STRATEGIES)}",
-                       f"hydra.sweep.dir={launch_dir}/shared/sweep", *SHRUNK, timeout=900)
+    result = run_train(
+        launch_dir,
+        "-m",
+        f"sharding={','.join(STRATEGIES)}",
+        f"hydra.sweep.dir={launch_dir}/shared/sweep",
+        *SHRUNK,
+        timeout=900,
+    )
     assert result.returncode == 0, result.output[-8000:]
     client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
     experiment = client.get_experiment_by_name(EXPERIMENT)
@@ -80,17 +113,23 @@ def test_sweep_is_one_parent_run_with_one_child_per_strategy(sweep):
 def test_each_childs_params_are_its_resolved_config(sweep, tmp_path):
     launch_dir, _, client, runs = sweep
     _, children = parent_and_children(runs)
-    checkpoint_dirs = set()
+    checkpoint_roots = set()
     for child, strategy in zip(children, STRATEGIES):
-        local = client.download_artifacts(child.info.run_id, "resolved_config.yaml", str(tmp_path / strategy))
+        local = client.download_artifacts(
+            child.info.run_id, "resolved_config.yaml", str(tmp_path / strategy)
+        )
         resolved = job_from_dict(OmegaConf.to_container(OmegaConf.load(local)))
         assert child.data.params == {k: str(v) for k, v in flatten(resolved).items()}
         params = child.data.params
         assert params["sharding.strategy"] == strategy.upper()
-        assert (params["model.n_layers"], params["model.dim"], params["train.steps"]) == ("2", "64", str(STEPS))
+        assert (params["model.n_layers"], params["model.dim"], params["train.steps"]) == (
+            "2",
+            "64",
+            str(STEPS),
+        )
         assert params["data.prepared_dir"] == f"{launch_dir}/data/prepared"
-        checkpoint_dirs.add(params["train.checkpoint_dir"])
-    assert len(checkpoint_dirs) == len(STRATEGIES)  # no job resumes from another job's checkpoint
+        checkpoint_roots.add(child.data.tags["checkpoint_root"])
+    assert len(checkpoint_roots) == len(STRATEGIES)  # no job resumes from another job's checkpoint
 
 
 def test_every_metric_has_one_value_per_logged_step(sweep):
@@ -133,19 +172,32 @@ def test_sweep_ends_with_the_comparison_logged_to_the_parent(sweep):
 
 
 def test_report_cli_on_the_sweep_prints_the_table_and_writes_real_images(sweep, tmp_path):
-    import matplotlib.image
-
     launch_dir, _, _, runs = sweep
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "cluster.report", EXPERIMENT,
-                           "--tracking-uri", f"sqlite:///{launch_dir}/mlflow.db", "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.report",
+            EXPERIMENT,
+            "--tracking-uri",
+            f"sqlite:///{launch_dir}/mlflow.db",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("run "))
-    rows = lines[header + 2:header + 2 + len(STRATEGIES)]
-    assert [row.split()[:3] for row in rows] == [[f"sharding={s}", s.upper(), "2"] for s in STRATEGIES]
+    rows = lines[header + 2 : header + 2 + len(STRATEGIES)]
+    assert [row.split()[:3] for row in rows] == [
+        [f"sharding={s}", s.upper(), "2"] for s in STRATEGIES
+    ]
     for name in ("loss_vs_step.png", "tokens_per_s_by_strategy.png", "memory_by_strategy.png"):
         image = matplotlib.image.imread(out / name)
         assert image.shape[:2] == (PLOT_SIZE_PX[1], PLOT_SIZE_PX[0]), name
@@ -153,6 +205,7 @@ def test_report_cli_on_the_sweep_prints_the_table_and_writes_real_images(sweep, 
 
 
 # ---- bad values: refused before Ray, MLflow or any job starts ---------------------------------
+
 
 def assert_nothing_started(result: CliResult, launch_dir: Path) -> None:
     assert result.returncode != 0, result.output
@@ -171,14 +224,19 @@ def test_misspelled_strategy_fails_before_anything_starts_listing_the_valid_ones
 
 
 def test_a_bad_value_in_a_later_job_fails_before_the_first_job_starts(launch_dir):
-    result = run_train(launch_dir, "-m", "sharding=full_shard,full_shrad", "train.steps=3,0",
-                       timeout=120)
+    result = run_train(
+        launch_dir, "-m", "sharding=full_shard,full_shrad", "train.steps=3,0", timeout=120
+    )
     assert_nothing_started(result, launch_dir)
     out = result.output
-    assert "sweep job 1 (sharding=full_shard train.steps=0): invalid config: train.steps=0; " \
-           "valid: a positive integer" in out
-    assert "sweep job 2 (sharding=full_shrad train.steps=3): In 'config': Could not find " \
-           "'sharding/full_shrad'" in out
+    assert (
+        "sweep job 1 (sharding=full_shard train.steps=0): invalid config: train.steps=0; "
+        "valid: a positive integer" in out
+    )
+    assert (
+        "sweep job 2 (sharding=full_shrad train.steps=3): In 'config': Could not find "
+        "'sharding/full_shrad'" in out
+    )
     assert "\tshard_grad_op" in out
     assert "3 of 4 jobs are invalid" in out
     assert not (launch_dir / "multirun").exists()  # refused before Hydra's sweeper made its folder
@@ -191,6 +249,7 @@ def test_sweeping_the_experiment_is_refused_one_parent_per_sweep(launch_dir):
 
 
 # ---- what a restarted worker group logs ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
@@ -207,20 +266,24 @@ def test_a_restarted_worker_group_does_not_log_a_step_twice(store):
         first.log_metrics({"train/loss": 10.0 - step, "perf/step_ms": 100.0}, step=step)
     restarted = MLflowLogger(store, run_id)  # a new worker group, resumed from step 3's checkpoint
     for step in range(3, 9):
-        restarted.log_metrics({"train/loss": 20.0 - step, "perf/step_ms": 50.0,
-                               "elastic/world_size": 3.0}, step=step)
+        restarted.log_metrics(
+            {"train/loss": 20.0 - step, "perf/step_ms": 50.0, "elastic/world_size": 3.0}, step=step
+        )
     client = MlflowClient(store)
     loss = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
     assert loss == [(s, 10.0 - s) for s in range(6)] + [(s, 20.0 - s) for s in range(6, 9)]
-    assert [m.step for m in client.get_metric_history(run_id, "elastic/world_size")] == list(range(3, 9))
-    assert last_logged_steps(client, run_id) == {"train/loss": 8, "perf/step_ms": 8,
-                                                 "elastic/world_size": 8}
+    world_sizes = client.get_metric_history(run_id, "elastic/world_size")
+    assert [m.step for m in world_sizes] == list(range(3, 9))
+    assert last_logged_steps(client, run_id) == {
+        "train/loss": 8,
+        "perf/step_ms": 8,
+        "elastic/world_size": 8,
+    }
 
 
 def test_system_metrics_are_kept_apart_per_worker_node(store):
-    """What cluster/worker.py starts on each node's local rank 0: MLflow's monitor, keyed by node."""
-    from trainer.metrics import start_system_metrics
-
+    """What cluster/worker.py starts on each node's local rank 0: MLflow's monitor, keyed by
+    node."""
     run_id = create_run(JobConfig(), store)
     for node in ("10.0.0.1", "10.0.0.2"):
         monitor = start_system_metrics(store, run_id, node, interval_s=3600)

@@ -4,6 +4,7 @@ One Ray start-up (~30 s here) covers everything issue 2 asks of `make run`: the 
 ranks wrote their shards of every committed checkpoint, Ray knows the last one, and MLflow holds
 the run with the resolved config as params and one metric value per step.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,18 @@ def finished_run(tmp_path_factory):
     launch_dir = tmp_path_factory.mktemp("e2e")
     result = run_cli(
         launch_dir,
-        f"train.steps={STEPS}", "train.checkpoint_every=4", "train.global_batch_size=8",
-        "optim.warmup_steps=2", "data.max_bytes=2000000", "data.seq_len=64",
-        "cluster.num_workers=2", "cluster.run_name=e2e", "tracking.experiment=e2e",
-        timeout=240, env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"})
+        f"train.steps={STEPS}",
+        "train.checkpoint_every=4",
+        "train.global_batch_size=8",
+        "optim.warmup_steps=2",
+        "data.max_bytes=2000000",
+        "data.seq_len=64",
+        "cluster.num_workers=2",
+        "cluster.run_name=e2e",
+        "tracking.experiment=e2e",
+        timeout=240,
+        env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"},
+    )
     assert result.returncode == 0, result.output[-6000:]
     return launch_dir, result.output
 
@@ -68,9 +77,13 @@ def test_mlflow_has_the_run_with_params_and_a_falling_loss(finished_run):
     assert (params["train.steps"], params["cluster.num_workers"]) == (str(STEPS), "2")
     assert params["sharding.strategy"] == "FULL_SHARD"
     assert params["data.prepared_dir"] == f"{launch_dir}/data/prepared"
-    assert params["train.checkpoint_dir"] == f"{launch_dir}/runs/e2e/checkpoints"
-    losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"),
-                                      key=lambda m: m.step)]
+    assert run.data.tags["checkpoint_root"] == f"{launch_dir}/runs/e2e/checkpoints"
+    losses = [
+        m.value
+        for m in sorted(
+            client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step
+        )
+    ]
     assert len(losses) == STEPS
     assert losses[-1] < losses[0]
     for key in ("perf/tokens_per_s", "perf/step_ms", "train/lr"):

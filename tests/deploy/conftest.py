@@ -4,6 +4,7 @@ The manifests are only YAML here (no Kubernetes, no cloud), so these tests check
 checked offline: the real KubeRay CRD schemas, the operator's own rules, and that every command
 names the project's real module and config keys.
 """
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deploy_helpers import (  # noqa: E402
-    DEPLOY_DIR, KUBERAY_DIR, REPO_ROOT, SHARED_DIR, TRAIN_MODULE, code_blocks, load_documents,
-    overrides, ray_container, train_commands,
+    DEPLOY_DIR,
+    KUBERAY_DIR,
+    REPO_ROOT,
+    SHARED_DIR,
+    TRAIN_MODULE,
+    code_blocks,
+    load_documents,
+    overrides,
+    ray_container,
+    train_commands,
 )
 
 
@@ -45,8 +54,14 @@ def kube_objects(kube_docs) -> list[dict]:
 
 
 def _only(objects: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in objects if o.get("kind") == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected exactly one {kind} {name or ''} in deploy/kuberay, found {len(found)}"
+    found = [
+        o
+        for o in objects
+        if o.get("kind") == kind and (name is None or o["metadata"]["name"] == name)
+    ]
+    assert len(found) == 1, (
+        f"expected exactly one {kind} {name or ''} in deploy/kuberay, found {len(found)}"
+    )
     return found[0]
 
 
@@ -74,7 +89,9 @@ def ray_cluster_specs(rayjob, raycluster) -> dict[str, dict]:
 @pytest.fixture(scope="session")
 def rayjob_overrides(rayjob) -> dict[str, str]:
     commands = train_commands(rayjob["spec"]["entrypoint"])
-    assert len(commands) == 1, f"RayJob entrypoint should run {TRAIN_MODULE} once: {rayjob['spec']['entrypoint']!r}"
+    assert len(commands) == 1, (
+        f"RayJob entrypoint should run {TRAIN_MODULE} once: {rayjob['spec']['entrypoint']!r}"
+    )
     return overrides(commands[0])
 
 

@@ -3,6 +3,7 @@
 Imported by conftest.py and the test modules (conftest puts this folder on sys.path, so it works
 under any pytest import mode).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,7 +43,8 @@ def logical_lines(text: str) -> list[str]:
 
 
 def train_commands(text: str, expand: bool = True) -> list[list[str]]:
-    """The Hydra overrides of every `python -m cluster.train ...` / `elastic-fsdp-train ...` in text.
+    """The Hydra overrides of every `python -m cluster.train ...` / `elastic-fsdp-train ...` in
+    text.
 
     Works on a RayJob entrypoint (one folded line) and on README code blocks alike; stops at a
     shell operator or a comment. A --multirun command becomes one override list per run of its
@@ -58,7 +60,9 @@ def train_commands(text: str, expand: bool = True) -> list[list[str]]:
             continue
         for i, tok in enumerate(tokens):
             if tok == CONSOLE_SCRIPT and (i == 0 or tokens[i - 1] in SHELL_OPERATORS | {"--"}):
-                start = i + 1  # in command position only: "kubectl get rayjob elastic-fsdp-train" is not a run
+                start = (
+                    i + 1
+                )  # in command position only: "kubectl get rayjob elastic-fsdp-train" is not a run
             elif tok == "-m" and i + 1 < len(tokens) and tokens[i + 1] == TRAIN_MODULE:
                 start = i + 2
             else:
@@ -95,7 +99,9 @@ def overrides(args: list[str]) -> dict[str, str]:
     """Hydra override list -> {key: value}; '+'/'++' prefixes dropped, '~key' deletions refused."""
     out = {}
     for arg in args:
-        assert not arg.startswith("~"), f"override {arg!r}: a deletion has no place in a deploy command"
+        assert not arg.startswith("~"), (
+            f"override {arg!r}: a deletion has no place in a deploy command"
+        )
         key, sep, value = arg.partition("=")
         assert sep, f"override {arg!r} is not key=value"
         out[key.lstrip("+")] = value
@@ -112,8 +118,22 @@ def container_env(container: dict) -> dict[str, dict]:
 
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
-_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_FACTORS = {
+    None: 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def quantity(value) -> float:

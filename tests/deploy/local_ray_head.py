@@ -14,6 +14,7 @@ Token authentication (Ray 2.60): the head and every client get RAY_AUTH_MODE=tok
 RAY_AUTH_TOKEN_PATH pointing at a fresh token inside the head's temp dir, so the user's
 ~/.ray/auth_token is neither read nor written, and a client without this token is refused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,15 @@ VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
 # Environment a test must not hand to Ray: another cluster's address or token, a tracking
 # server, or a PYTHONPATH that would let a job import the checkout instead of its upload.
-SCRUBBED_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
-                "RAY_AUTH_MODE", "MLFLOW_TRACKING_URI", "PYTHONPATH")
+SCRUBBED_ENV = (
+    "RAY_ADDRESS",
+    "RAY_API_SERVER_ADDRESS",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH",
+    "RAY_AUTH_MODE",
+    "MLFLOW_TRACKING_URI",
+    "PYTHONPATH",
+)
 # On Linux Ray replaces --node-ip-address 127.0.0.1 by the host's routable address; this switch
 # (meant for single-node macOS/Windows) makes every process of the cluster use loopback instead.
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -47,9 +55,17 @@ NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 READY_LINE = "Ray runtime started"
 # Every port `ray start --head` would otherwise take at a fixed default (6379, 8265, 10001,
 # 52365) or pick itself: all chosen here, so two heads on one host never meet.
-PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
-              "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
-              "node-manager-port", "object-manager-port")
+PORT_FLAGS = (
+    "port",
+    "dashboard-port",
+    "ray-client-server-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+    "node-manager-port",
+    "object-manager-port",
+)
 WORKER_PORTS = 200  # job supervisor, driver, Train controller, workers and their restarts
 
 
@@ -85,9 +101,14 @@ class RayHead:
 def auth_env(token_path: Path) -> dict[str, str]:
     """os.environ without other clusters' settings, with token auth on and this head's token."""
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
-               RAY_USAGE_STATS_ENABLED="0", **LOOPBACK_ONLY, **NO_DRAIN,
-               PATH=os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")]))
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(token_path),
+        RAY_USAGE_STATS_ENABLED="0",
+        **LOOPBACK_ONLY,
+        **NO_DRAIN,
+        PATH=os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")]),
+    )
     return env
 
 
@@ -130,12 +151,32 @@ def _is_free(port: int) -> bool:
 
 def head_command(temp_dir: Path, num_cpus: int, ports: dict[str, int]) -> list[str]:
     lo, hi = free_port_range(WORKER_PORTS)
-    return [RAY, "start", "--head", "--block", "--temp-dir", str(temp_dir),
-            "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus), "--num-gpus", "0",
-            "--object-store-memory", str(200 * 2**20), "--include-dashboard", "true",
-            "--dashboard-host", "127.0.0.1", "--disable-usage-stats",
-            *[a for flag, port in ports.items() for a in (f"--{flag}", str(port))],
-            "--min-worker-port", str(lo), "--max-worker-port", str(hi)]
+    return [
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        "--temp-dir",
+        str(temp_dir),
+        "--node-ip-address",
+        "127.0.0.1",
+        "--num-cpus",
+        str(num_cpus),
+        "--num-gpus",
+        "0",
+        "--object-store-memory",
+        str(200 * 2**20),
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--disable-usage-stats",
+        *[a for flag, port in ports.items() for a in (f"--{flag}", str(port))],
+        "--min-worker-port",
+        str(lo),
+        "--max-worker-port",
+        str(hi),
+    ]
 
 
 def _read_until_ready(proc: subprocess.Popen, output: list[str], ready: threading.Event) -> None:
@@ -206,17 +247,31 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 def start(temp_dir: Path, num_cpus: int, timeout: float) -> RayHead:
     token_path = write_token(temp_dir)
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
-    proc = subprocess.Popen(head_command(temp_dir, num_cpus, ports), env=auth_env(token_path),
-                            cwd=temp_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    head = RayHead(temp_dir, token_path, f"127.0.0.1:{ports['port']}",
-                   f"http://127.0.0.1:{ports['dashboard-port']}", proc)
+    proc = subprocess.Popen(
+        head_command(temp_dir, num_cpus, ports),
+        env=auth_env(token_path),
+        cwd=temp_dir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    head = RayHead(
+        temp_dir,
+        token_path,
+        f"127.0.0.1:{ports['port']}",
+        f"http://127.0.0.1:{ports['dashboard-port']}",
+        proc,
+    )
     ready = threading.Event()
     threading.Thread(target=_read_until_ready, args=(proc, head.output, ready), daemon=True).start()
     if not ready.wait(timeout) or proc.poll() is not None:
         stop(head)
-        raise RuntimeError(f"`ray start --head` was not up within {timeout}s (exit code "
-                           f"{proc.returncode}):\n" + "\n".join(head.output[-60:]))
+        raise RuntimeError(
+            f"`ray start --head` was not up within {timeout}s (exit code "
+            f"{proc.returncode}):\n" + "\n".join(head.output[-60:])
+        )
     return head
 
 

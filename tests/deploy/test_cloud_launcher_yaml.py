@@ -4,12 +4,12 @@ Ray's own validation runs first (the JSON schema `ray up` applies, after merging
 defaults); then what this project needs of them: a CPU-only head, GPU worker types with
 min/max bounds that fit the cluster's max_workers, and the project image with the GPUs passed in.
 """
+
 from __future__ import annotations
 
 import copy
 
 import pytest
-
 from deploy_helpers import CLOUD_DIR, load_documents
 
 PROVIDERS = {"aws.yaml": "aws", "gcp.yaml": "gcp"}
@@ -42,14 +42,22 @@ def launcher_problems(config: dict) -> list[str]:
                 problems.append(f"{name}: {key} missing")
         lo, hi = node.get("min_workers", 0), node.get("max_workers", 0)
         if not 0 <= lo <= hi <= config["max_workers"]:
-            problems.append(f"{name}: needs 0 <= min_workers <= max_workers <= {config['max_workers']}, got {lo}..{hi}")
+            problems.append(
+                f"{name}: needs 0 <= min_workers <= max_workers <= {config['max_workers']}, "
+                f"got {lo}..{hi}"
+            )
     if sum(n.get("min_workers", 0) for n in workers.values()) > config["max_workers"]:
         problems.append("the node types' min_workers add up to more than max_workers")
     if not any(n.get("max_workers", 0) > n.get("min_workers", 0) for n in gpu_types.values()):
         problems.append("no GPU type can grow: the elastic run would have nothing to grow into")
     head_start = " ".join(config.get("head_start_ray_commands", []))
-    if "--num-gpus=0" not in head_start or "--autoscaling-config=~/ray_bootstrap_config.yaml" not in head_start:
-        problems.append("head_start_ray_commands must start Ray with --num-gpus=0 and the autoscaling config")
+    if (
+        "--num-gpus=0" not in head_start
+        or "--autoscaling-config=~/ray_bootstrap_config.yaml" not in head_start
+    ):
+        problems.append(
+            "head_start_ray_commands must start Ray with --num-gpus=0 and the autoscaling config"
+        )
     if "--gpus all" not in config.get("docker", {}).get("worker_run_options", []):
         problems.append("docker.worker_run_options must pass the GPUs in (--gpus all)")
     return problems
@@ -62,7 +70,9 @@ def test_ray_accepts_the_cluster_config(name):
     config = _config(name)
     assert config["provider"]["type"] == PROVIDERS[name]
     validate_config(copy.deepcopy(config))
-    validate_config(prepare_config(copy.deepcopy(config)))  # what `ray up` does after merging defaults
+    validate_config(
+        prepare_config(copy.deepcopy(config))
+    )  # what `ray up` does after merging defaults
 
 
 @pytest.mark.parametrize("name", sorted(PROVIDERS))

@@ -4,6 +4,7 @@ The static checks run everywhere. The build itself needs a Docker engine (this p
 machines have the client only) and pulls several GB, so it is a slow test that skips, saying why,
 when `docker info` cannot reach an engine.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,23 +15,44 @@ import sys
 from importlib.metadata import version
 
 import pytest
-
 from deploy_helpers import DEPLOY_DIR, REPO_ROOT
 
 DOCKERFILE = DEPLOY_DIR / "docker" / "Dockerfile"
 # BuildKit (Docker >= 23) reads <Dockerfile>.dockerignore for the context of that Dockerfile.
 DOCKERIGNORE = DEPLOY_DIR / "docker" / "Dockerfile.dockerignore"
-NEVER_SHIPPED = (".venv/bin/python", ".git/HEAD", "runs/elastic-fsdp/checkpoints/step_20/manifest.json",
-                 "outputs/2026-01-01/12-00-00/.hydra/config.yaml", "multirun/2026-01-01/0/x.log",
-                 "data/prepared/shard_00000.parquet", "mlruns/0/meta.yaml", "mlflow.db", "mlartifacts/1/x.txt",
-                 "cluster/__pycache__/train.cpython-311.pyc", "trainer/fsdp/__pycache__/flat.cpython-311.pyc",
-                 "elastic_fsdp.egg-info/PKG-INFO", ".pytest_cache/v/cache/nodeids", ".whl/torch.whl", ".gl/x")
-ALWAYS_SHIPPED = ("pyproject.toml", "README.md", "cluster/train.py", "trainer/config.py", "trainer/data.py",
-                  "trainer/fsdp/flat_param.py", "conf/config.yaml", "conf/data/stdlib.yaml", "deploy/README.md")
+NEVER_SHIPPED = (
+    ".venv/bin/python",
+    ".git/HEAD",
+    "runs/elastic-fsdp/checkpoints/step_20/manifest.json",
+    "outputs/2026-01-01/12-00-00/.hydra/config.yaml",
+    "multirun/2026-01-01/0/x.log",
+    "data/prepared/shard_00000.parquet",
+    "mlruns/0/meta.yaml",
+    "mlflow.db",
+    "mlartifacts/1/x.txt",
+    "cluster/__pycache__/train.cpython-311.pyc",
+    "trainer/fsdp/__pycache__/flat.cpython-311.pyc",
+    "elastic_fsdp.egg-info/PKG-INFO",
+    ".pytest_cache/v/cache/nodeids",
+    ".whl/torch.whl",
+    ".gl/x",
+)
+ALWAYS_SHIPPED = (
+    "pyproject.toml",
+    "README.md",
+    "cluster/train.py",
+    "trainer/config.py",
+    "trainer/data.py",
+    "trainer/fsdp/flat_param.py",
+    "conf/config.yaml",
+    "conf/data/stdlib.yaml",
+    "deploy/README.md",
+)
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) per Dockerfile instruction, continuations joined, comments dropped."""
+    """(INSTRUCTION, arguments) per Dockerfile instruction, continuations joined, comments
+    dropped."""
     lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
     joined = re.sub(r"\\\n", " ", "\n".join(lines))
     out = []
@@ -92,14 +114,27 @@ def test_installs_cuda_torch_of_the_projects_version_then_the_project():
     instrs = instructions(DOCKERFILE.read_text())
     args = arg_defaults(instrs)
     assert args["TORCH_VERSION"] == version("torch").split("+")[0]
-    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", args["TORCH_INDEX"]), args["TORCH_INDEX"]
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", args["TORCH_INDEX"]), args[
+        "TORCH_INDEX"
+    ]
     runs = [substitute(a, args) for i, a in instrs if i == "RUN"]
-    torch_run = [n for n, r in enumerate(runs) if f"torch=={args['TORCH_VERSION']}" in r and args["TORCH_INDEX"] in r]
+    torch_run = [
+        n
+        for n, r in enumerate(runs)
+        if f"torch=={args['TORCH_VERSION']}" in r and args["TORCH_INDEX"] in r
+    ]
     project_run = [n for n, r in enumerate(runs) if re.search(r"pip install (-e )?\.(\s|$)", r)]
     assert torch_run and project_run and torch_run[0] < project_run[0], (
-        "install CUDA torch first (its own layer), then the project, which must not replace it")
-    copies = [n for n, (i, a) in enumerate(instrs) if i == "COPY" and re.search(r"(^|\s)\.\s", a + " ")]
-    project_at = [n for n, (i, a) in enumerate(instrs) if i == "RUN" and re.search(r"pip install (-e )?\.(\s|$)", a)]
+        "install CUDA torch first (its own layer), then the project, which must not replace it"
+    )
+    copies = [
+        n for n, (i, a) in enumerate(instrs) if i == "COPY" and re.search(r"(^|\s)\.\s", a + " ")
+    ]
+    project_at = [
+        n
+        for n, (i, a) in enumerate(instrs)
+        if i == "RUN" and re.search(r"pip install (-e )?\.(\s|$)", a)
+    ]
     assert copies and copies[0] < project_at[0], "COPY the source before installing it"
 
 
@@ -138,10 +173,24 @@ def test_image_builds_and_imports_the_project():
     if problem:
         pytest.skip(problem)
     tag = "elastic-fsdp:test-build"
-    build = subprocess.run(["docker", "build", "-f", str(DOCKERFILE), "-t", tag, str(REPO_ROOT)],
-                           capture_output=True, text=True, env={**os.environ, "DOCKER_BUILDKIT": "1"})
+    build = subprocess.run(
+        ["docker", "build", "-f", str(DOCKERFILE), "-t", tag, str(REPO_ROOT)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DOCKER_BUILDKIT": "1"},
+    )
     assert build.returncode == 0, build.stderr[-5000:]
-    check = subprocess.run(["docker", "run", "--rm", tag, "python", "-c",
-                            "import cluster.train, trainer.config, ray; print(ray.__version__)"],
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            tag,
+            "python",
+            "-c",
+            "import cluster.train, trainer.config, ray; print(ray.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stderr[-3000:]

@@ -7,6 +7,7 @@ few steps. One job backs every test below (1.5-2.5 min on this loaded 2-core mac
 it Ray and worker start-up); the head is stopped, and only that head, before they look at what
 it left.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
-
 from deploy_helpers import REPO_ROOT
 from local_ray_head import RAY, RayHead, local_ray_head
+from mlflow.tracking import MlflowClient
+
 from trainer.checkpoint import list_checkpoints
 from trainer.checkpoint.format import data_file_name
 
@@ -50,13 +51,28 @@ class SubmittedJob:
 def train_overrides(out: Path) -> list[str]:
     """README section 9's command made small: absolute paths, since the job runs in Ray's copy."""
     return [
-        "cluster=ray", "model=tiny", "model.n_layers=2", "model.dim=64", "model.n_heads=4",
-        "model.ffn_dim=128", "cluster.use_gpu=false", f"cluster.num_workers={WORKERS}",
-        "cluster.cpus_per_worker=1", "cluster.max_failures=0", f"cluster.run_name={RUN_NAME}",
-        f"cluster.storage_path={out}/runs", f"data.prepared_dir={out}/data",
-        "data.max_bytes=50000", "data.seq_len=64", f"tracking.tracking_uri={tracking_uri(out)}",
-        f"tracking.experiment={RUN_NAME}", f"train.steps={STEPS}", "train.checkpoint_every=2",
-        "train.global_batch_size=4", "optim.warmup_steps=1", f"hydra.run.dir={out}/outputs",
+        "cluster=ray",
+        "model=tiny",
+        "model.n_layers=2",
+        "model.dim=64",
+        "model.n_heads=4",
+        "model.ffn_dim=128",
+        "cluster.use_gpu=false",
+        f"cluster.num_workers={WORKERS}",
+        "cluster.cpus_per_worker=1",
+        "cluster.max_failures=0",
+        f"cluster.run_name={RUN_NAME}",
+        f"cluster.storage_path={out}/runs",
+        f"data.prepared_dir={out}/data",
+        "data.max_bytes=50000",
+        "data.seq_len=64",
+        f"tracking.tracking_uri={tracking_uri(out)}",
+        f"tracking.experiment={RUN_NAME}",
+        f"train.steps={STEPS}",
+        "train.checkpoint_every=2",
+        "train.global_batch_size=4",
+        "optim.warmup_steps=1",
+        f"hydra.run.dir={out}/outputs",
     ]
 
 
@@ -66,9 +82,24 @@ def tracking_uri(out: Path) -> str:
 
 def submit_command(head: RayHead, out: Path) -> list[str]:
     runtime_env = {"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}}
-    return [RAY, "job", "submit", "--address", head.dashboard_url, "--submission-id", JOB_ID,
-            "--working-dir", str(REPO_ROOT), "--runtime-env-json", json.dumps(runtime_env),
-            "--", "python", "-m", "cluster.train", *train_overrides(out)]
+    return [
+        RAY,
+        "job",
+        "submit",
+        "--address",
+        head.dashboard_url,
+        "--submission-id",
+        JOB_ID,
+        "--working-dir",
+        str(REPO_ROOT),
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        "python",
+        "-m",
+        "cluster.train",
+        *train_overrides(out),
+    ]
 
 
 def get(head: RayHead, path: str, token: str | None) -> tuple[int, bytes]:
@@ -105,9 +136,15 @@ def submit(head: RayHead, out: Path) -> tuple[int | None, str]:
     """Run `ray job submit`; it tails the job's logs and returns once the job has ended.
     (exit code, output); the exit code is None if it was still running after the timeout."""
     try:
-        proc = subprocess.run(submit_command(head, out), env=head.client_env(), cwd=out,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=SUBMIT_TIMEOUT_S)
+        proc = subprocess.run(
+            submit_command(head, out),
+            env=head.client_env(),
+            cwd=out,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=SUBMIT_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as e:
         output = e.stdout or b""  # bytes even with text=True
         output = output.decode(errors="replace") if isinstance(output, bytes) else output
@@ -132,8 +169,16 @@ def job(tmp_path_factory) -> SubmittedJob:
         tokens = {"none": None, "wrong": "0" * 64, "right": head.token}
         http_status = {name: get(head, "/api/jobs/", token)[0] for name, token in tokens.items()}
         returncode, output = submit(head, out)
-        record = SubmittedJob(head, out, returncode, output, job_info(head), http_status,
-                              *unpacked_working_dir(head), before)
+        record = SubmittedJob(
+            head,
+            out,
+            returncode,
+            output,
+            job_info(head),
+            http_status,
+            *unpacked_working_dir(head),
+            before,
+        )
     record.user_token_after = token_file_state()
     return record
 
@@ -147,8 +192,9 @@ def test_job_succeeded(job):
 
 def test_job_joined_the_head_on_loopback_instead_of_starting_its_own_ray(job):
     """cluster/ray_launch.py takes RAY_ADDRESS, which `ray job` sets to the head's GCS."""
-    assert f"Connecting to existing Ray cluster at address: {job.head.gcs_address}" in job.output, \
+    assert f"Connecting to existing Ray cluster at address: {job.head.gcs_address}" in job.output, (
         job.output[-6000:]
+    )
     assert "Started a local Ray instance" not in job.output
 
 
@@ -162,8 +208,16 @@ def test_upload_is_the_code_only_and_small(job):
     checkout's runs/ (and data/, outputs/, mlruns/ once a run made them) only .rayignore drops."""
     assert job.uploaded_bytes < MAX_UPLOAD_MIB * 2**20, f"{job.uploaded_bytes / 2**20:.1f} MiB"
     assert {"cluster", "trainer", "conf", "pyproject.toml"} <= job.uploaded
-    assert not job.uploaded & {".venv", ".git", "runs", "outputs", "multirun", "data", "mlruns",
-                               "mlflow.db"}, sorted(job.uploaded)
+    assert not job.uploaded & {
+        ".venv",
+        ".git",
+        "runs",
+        "outputs",
+        "multirun",
+        "data",
+        "mlruns",
+        "mlflow.db",
+    }, sorted(job.uploaded)
 
 
 def test_mlflow_has_the_finished_run_with_a_loss_per_step(job):
@@ -173,7 +227,7 @@ def test_mlflow_has_the_finished_run_with_a_loss_per_step(job):
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert (params["cluster.num_workers"], params["train.steps"]) == (str(WORKERS), str(STEPS))
-    assert params["train.checkpoint_dir"] == f"{job.out}/runs/{RUN_NAME}/checkpoints"
+    assert run.data.tags["checkpoint_root"] == f"{job.out}/runs/{RUN_NAME}/checkpoints"
     losses = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
     assert [m.step for m in losses] == list(range(STEPS))
     assert losses[-1].value < losses[0].value

@@ -5,6 +5,7 @@ minReplicas <= replicas <= maxReplicas and string rayStartParams (the operator's
 per worker pod and none on the head (one Train worker actor per GPU pod), autoscaling on, a
 memory-backed /dev/shm for NCCL and the object store, and a preStop `ray stop`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -12,7 +13,14 @@ import re
 import shlex
 from urllib.parse import urlparse
 
-from deploy_helpers import container_env, logical_lines, overrides, quantity, ray_container, train_commands
+from deploy_helpers import (
+    container_env,
+    logical_lines,
+    overrides,
+    quantity,
+    ray_container,
+    train_commands,
+)
 
 GPU = "nvidia.com/gpu"
 MIN_SHM_BYTES = 1 << 30  # NCCL and the object store need far more than Docker's 64 MiB default
@@ -22,27 +30,40 @@ def _group_problems(where: str, group: dict) -> list[str]:
     problems = []
     for key in ("groupName", "minReplicas", "maxReplicas", "replicas", "template"):
         if key not in group:
-            problems.append(f"{where}: {key} missing (write it out; the operator's default is not what you want)")
+            problems.append(
+                f"{where}: {key} missing (write it out; the operator's default is not what you "
+                "want)"
+            )
     lo, n, hi = group.get("minReplicas"), group.get("replicas"), group.get("maxReplicas")
     if None not in (lo, n, hi) and not lo <= n <= hi:
-        problems.append(f"{where}: needs minReplicas <= replicas <= maxReplicas, got {lo} <= {n} <= {hi}")
+        problems.append(
+            f"{where}: needs minReplicas <= replicas <= maxReplicas, got {lo} <= {n} <= {hi}"
+        )
     return problems
 
 
 def _string_params(where: str, params: dict) -> list[str]:
-    return [f"{where}.rayStartParams.{k}: {v!r} is {type(v).__name__}; the operator wants a string"
-            for k, v in params.items() if not isinstance(v, str)]
+    return [
+        f"{where}.rayStartParams.{k}: {v!r} is {type(v).__name__}; the operator wants a string"
+        for k, v in params.items()
+        if not isinstance(v, str)
+    ]
 
 
 def _gpu_problems(where: str, container: dict, expected: int) -> list[str]:
     res = container.get("resources", {})
     limits, requests = res.get("limits", {}), res.get("requests", {})
     if expected == 0:
-        return [f"{where}: {GPU} in {part}; the head must have no GPU"
-                for part, d in (("limits", limits), ("requests", requests)) if GPU in d]
+        return [
+            f"{where}: {GPU} in {part}; the head must have no GPU"
+            for part, d in (("limits", limits), ("requests", requests))
+            if GPU in d
+        ]
     problems = []
     if GPU not in limits or quantity(limits[GPU]) != expected:
-        problems.append(f"{where}: limits.{GPU} is {limits.get(GPU)!r}; one GPU per worker pod needs {expected}")
+        problems.append(
+            f"{where}: limits.{GPU} is {limits.get(GPU)!r}; one GPU per worker pod needs {expected}"
+        )
     if GPU in requests and quantity(requests[GPU]) != quantity(limits.get(GPU, 0)):
         problems.append(f"{where}: requests.{GPU} {requests[GPU]!r} differs from the limit")
     return problems
@@ -62,8 +83,11 @@ def _shm_problems(where: str, template: dict) -> list[str]:
     size = quantity(empty_dir["sizeLimit"])
     memory = quantity(container["resources"]["limits"]["memory"])
     if not MIN_SHM_BYTES <= size < memory:
-        return [f"{where}: /dev/shm sizeLimit {empty_dir['sizeLimit']} must be >= 1Gi and below the "
-                f"container memory limit {container['resources']['limits']['memory']} (it counts against it)"]
+        return [
+            f"{where}: /dev/shm sizeLimit {empty_dir['sizeLimit']} must be >= 1Gi and below the "
+            f"container memory limit {container['resources']['limits']['memory']} (it counts "
+            "against it)"
+        ]
     return []
 
 
@@ -80,7 +104,9 @@ def operator_problems(spec: dict) -> list[str]:
     head = spec["headGroupSpec"]
     problems += _string_params("head", head.get("rayStartParams", {}))
     if head.get("rayStartParams", {}).get("num-gpus") != "0":
-        problems.append("head: rayStartParams.num-gpus must be \"0\" so no GPU work lands on the head")
+        problems.append(
+            'head: rayStartParams.num-gpus must be "0" so no GPU work lands on the head'
+        )
     for i, c in enumerate(head["template"]["spec"]["containers"]):
         problems += _gpu_problems(f"head container {i}", c, expected=0)
     problems += _shm_problems("head", head["template"])
@@ -100,13 +126,18 @@ def operator_problems(spec: dict) -> list[str]:
         params = g.get("rayStartParams", {})
         problems += _string_params(where, params)
         if params.get("num-gpus", "1") != "1":
-            problems.append(f"{where}: rayStartParams.num-gpus {params['num-gpus']!r} disagrees with 1 GPU per pod")
+            problems.append(
+                f"{where}: rayStartParams.num-gpus {params['num-gpus']!r} disagrees with 1 GPU "
+                "per pod"
+            )
         problems += _gpu_problems(where, ray_container(g["template"]), expected=1)
         problems += _shm_problems(where, g["template"])
         problems += _prestop_problems(where, ray_container(g["template"]))
 
     if spec.get("enableInTreeAutoscaling") is not True:
-        problems.append("enableInTreeAutoscaling must be true: the elastic run grows with the group")
+        problems.append(
+            "enableInTreeAutoscaling must be true: the elastic run grows with the group"
+        )
     if not isinstance(spec.get("autoscalerOptions"), dict):
         problems.append("autoscalerOptions missing")
     if groups and not any(g.get("maxReplicas", 0) > g.get("minReplicas", 0) for g in groups):
@@ -130,9 +161,15 @@ def test_rule_check_reports_each_broken_rule(ray_cluster_specs):
     spec["headGroupSpec"]["template"]["spec"]["volumes"][0]["emptyDir"].pop("medium")
     spec["enableInTreeAutoscaling"] = False
     problems = "\n".join(operator_problems(spec))
-    for expected in ("minReplicas <= replicas <= maxReplicas", "rayStartParams.num-gpus: 1 is int",
-                     f"limits.{GPU} is 2", "preStop must run `ray stop`", "head must have no GPU",
-                     "medium: Memory", "enableInTreeAutoscaling must be true"):
+    for expected in (
+        "minReplicas <= replicas <= maxReplicas",
+        "rayStartParams.num-gpus: 1 is int",
+        f"limits.{GPU} is 2",
+        "preStop must run `ray stop`",
+        "head must have no GPU",
+        "medium: Memory",
+        "enableInTreeAutoscaling must be true",
+    ):
         assert expected in problems
 
 
@@ -141,8 +178,12 @@ def test_token_authentication_and_ray_version_match_the_project(ray_cluster_spec
     from importlib.metadata import version
 
     for name, spec in ray_cluster_specs.items():
-        assert spec.get("authOptions", {}).get("mode") == "token", f"{name}: authOptions.mode should be token"
-        assert spec["rayVersion"] == version("ray"), f"{name}: rayVersion {spec['rayVersion']} != ray {version('ray')}"
+        assert spec.get("authOptions", {}).get("mode") == "token", (
+            f"{name}: authOptions.mode should be token"
+        )
+        assert spec["rayVersion"] == version("ray"), (
+            f"{name}: rayVersion {spec['rayVersion']} != ray {version('ray')}"
+        )
 
 
 def _all_containers(kube_objects):
@@ -151,7 +192,9 @@ def _all_containers(kube_objects):
         templates = []
         if obj["kind"] in ("RayCluster", "RayJob"):
             cluster = spec if obj["kind"] == "RayCluster" else spec["rayClusterSpec"]
-            templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+            templates = [cluster["headGroupSpec"]["template"]] + [
+                g["template"] for g in cluster["workerGroupSpecs"]
+            ]
             if obj["kind"] == "RayJob" and "submitterPodTemplate" in spec:
                 templates.append(spec["submitterPodTemplate"])
         elif obj["kind"] == "Deployment":
@@ -162,22 +205,29 @@ def _all_containers(kube_objects):
 
 
 def test_every_project_container_runs_one_image_tagged_with_the_project_version(
-        kube_objects, project_image, repo_root):
+    kube_objects, project_image, repo_root
+):
     import tomllib
 
     version = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["version"]
-    assert project_image.endswith(f":{version}"), f"image {project_image} should be tagged {version}"
+    assert project_image.endswith(f":{version}"), (
+        f"image {project_image} should be tagged {version}"
+    )
     name = project_image.rsplit(":", 1)[0]
     for obj, c in _all_containers(kube_objects):
         if c["image"].rsplit(":", 1)[0] == name or obj["kind"] in ("RayCluster", "RayJob"):
-            assert c["image"] == project_image, f"{obj['kind']} {obj['metadata']['name']}/{c['name']}: {c['image']}"
+            assert c["image"] == project_image, (
+                f"{obj['kind']} {obj['metadata']['name']}/{c['name']}: {c['image']}"
+            )
 
 
 def test_all_objects_live_in_the_shipped_namespace(kube_objects, find_object):
     namespace = find_object("Namespace")["metadata"]["name"]
     for obj in kube_objects:
         if obj["kind"] != "Namespace":
-            assert obj["metadata"].get("namespace") == namespace, f"{obj['kind']} {obj['metadata']['name']}"
+            assert obj["metadata"].get("namespace") == namespace, (
+                f"{obj['kind']} {obj['metadata']['name']}"
+            )
 
 
 def _storage_problems(where: str, storage: str, spec: dict, find_object) -> list[str]:
@@ -194,10 +244,17 @@ def _storage_problems(where: str, storage: str, spec: dict, find_object) -> list
                 if "secretKeyRef" not in env.get(key, {}).get("valueFrom", {}):
                     problems.append(f"{where} {pod}: {key} must come from a Secret for {storage}")
         elif scheme == "":
-            claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
-                      for v in template["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
-            mounts = [m for m in container.get("volumeMounts", [])
-                      if m["name"] in claims and (storage + "/").startswith(m["mountPath"].rstrip("/") + "/")]
+            claims = {
+                v["name"]: v["persistentVolumeClaim"]["claimName"]
+                for v in template["spec"].get("volumes", [])
+                if "persistentVolumeClaim" in v
+            }
+            mounts = [
+                m
+                for m in container.get("volumeMounts", [])
+                if m["name"] in claims
+                and (storage + "/").startswith(m["mountPath"].rstrip("/") + "/")
+            ]
             if not mounts:
                 problems.append(f"{where} {pod}: no shared volume mounted above {storage}")
             for m in mounts:
@@ -211,15 +268,24 @@ def _storage_problems(where: str, storage: str, spec: dict, find_object) -> list
 
 def test_rayjob_storage_is_reachable_from_every_pod(rayjob, rayjob_overrides, find_object):
     storage = rayjob_overrides["cluster.storage_path"]
-    assert _storage_problems("rayjob.yaml", storage, rayjob["spec"]["rayClusterSpec"], find_object) == []
+    assert (
+        _storage_problems("rayjob.yaml", storage, rayjob["spec"]["rayClusterSpec"], find_object)
+        == []
+    )
 
 
-def test_interactive_cluster_shares_a_volume_used_by_the_readme_commands(raycluster, readme_commands, find_object):
+def test_interactive_cluster_shares_a_volume_used_by_the_readme_commands(
+    raycluster, readme_commands, find_object
+):
     """README runs that log to the in-cluster MLflow run on Kubernetes: a path they store to must
     be on the volume every pod of the RayCluster mounts."""
     runs = [overrides(c) for c in train_commands(readme_commands)]
-    local = {o["cluster.storage_path"] for o in runs if ".svc.cluster.local" in o.get("tracking.tracking_uri", "")
-             and o.get("cluster.storage_path", "").startswith("/")}
+    local = {
+        o["cluster.storage_path"]
+        for o in runs
+        if ".svc.cluster.local" in o.get("tracking.tracking_uri", "")
+        and o.get("cluster.storage_path", "").startswith("/")
+    }
     assert local, "deploy/README.md should show a run on the interactive cluster's shared volume"
     for path in sorted(local):
         assert _storage_problems("raycluster.yaml", path, raycluster["spec"], find_object) == []
@@ -228,9 +294,13 @@ def test_interactive_cluster_shares_a_volume_used_by_the_readme_commands(rayclus
 def test_stable_run_name_and_resume_settings(rayjob, rayjob_overrides):
     """Resubmitting resumes only if the name is fixed in the manifest, not generated per run."""
     name = rayjob_overrides.get("cluster.run_name", "")
-    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name), f"cluster.run_name {name!r} should be a fixed name"
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name), (
+        f"cluster.run_name {name!r} should be a fixed name"
+    )
     assert rayjob["spec"]["shutdownAfterJobFinishes"] is True
-    assert rayjob["spec"].get("backoffLimit", 0) >= 1, "a failed attempt should be retried (and resume)"
+    assert rayjob["spec"].get("backoffLimit", 0) >= 1, (
+        "a failed attempt should be retried (and resume)"
+    )
 
 
 def test_rayjob_submitter_runs_the_project_image(rayjob, project_image):
@@ -242,11 +312,18 @@ def test_rayjob_submitter_runs_the_project_image(rayjob, project_image):
 
 def test_elastic_range_fits_the_gpu_worker_groups(rayjob, rayjob_overrides):
     spec = rayjob["spec"]["rayClusterSpec"]
-    capacity = sum(g["maxReplicas"] * quantity(ray_container(g["template"])["resources"]["limits"][GPU])
-                   for g in spec["workerGroupSpecs"])
-    lo, hi = int(rayjob_overrides["cluster.min_workers"]), int(rayjob_overrides["cluster.max_workers"])
+    capacity = sum(
+        g["maxReplicas"] * quantity(ray_container(g["template"])["resources"]["limits"][GPU])
+        for g in spec["workerGroupSpecs"]
+    )
+    lo, hi = (
+        int(rayjob_overrides["cluster.min_workers"]),
+        int(rayjob_overrides["cluster.max_workers"]),
+    )
     assert rayjob_overrides["cluster.use_gpu"] == "true"
-    assert 1 <= lo < hi <= capacity, f"elastic range {lo}..{hi} must fit {capacity} GPUs and be a range"
+    assert 1 <= lo < hi <= capacity, (
+        f"elastic range {lo}..{hi} must fit {capacity} GPUs and be a range"
+    )
 
 
 def test_secrets_the_manifests_read_are_created_in_the_readme(kube_objects, readme_commands):
@@ -264,5 +341,7 @@ def test_secrets_the_manifests_read_are_created_in_the_readme(kube_objects, read
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             if ref:
                 assert ref["key"] in created.get(ref["name"], set()), (
-                    f"{obj['metadata']['name']}/{c['name']} reads Secret {ref['name']} key {ref['key']}, "
-                    f"which deploy/README.md never creates (it creates {created})")
+                    f"{obj['metadata']['name']}/{c['name']} reads Secret {ref['name']} key "
+                    f"{ref['key']}, "
+                    f"which deploy/README.md never creates (it creates {created})"
+                )

@@ -5,6 +5,7 @@ asks it for strict field validation, which rejects unknown fields. jsonschema's 
 does both offline once the schema says so: every object that lists its properties (and does not
 preserve unknown fields) gets additionalProperties: false.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,11 @@ def _strict(node):
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
     out.pop("nullable", None)
-    if ("properties" in node and "additionalProperties" not in node
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -51,14 +55,18 @@ def _validator(crd_path: str) -> Draft7Validator:
 
 def schema_errors(crd_dir, obj: dict) -> list[str]:
     validator = _validator(str(crd_dir / CRD_FILES[obj["kind"]]))
-    return sorted(f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-                  for e in validator.iter_errors(obj))
+    return sorted(
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(obj)
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(CRD_FILES))
 def test_manifest_is_valid_under_kuberay_v1_crd_schema(kuberay_crd_dir, find_object, kind):
     obj = find_object(kind)
-    assert obj["apiVersion"] == API_VERSION, f"{kind} apiVersion {obj['apiVersion']!r}; served: {API_VERSION}"
+    assert obj["apiVersion"] == API_VERSION, (
+        f"{kind} apiVersion {obj['apiVersion']!r}; served: {API_VERSION}"
+    )
     assert schema_errors(kuberay_crd_dir, obj) == []
 
 

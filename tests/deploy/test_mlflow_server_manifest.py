@@ -4,6 +4,7 @@ MLflow 3 rejects a request whose Host header is not in --allowed-hosts. The jobs
 server by its Service's in-cluster DNS name, so that name (with the port) must be on the list;
 the last test starts the real server with the manifest's own arguments and asks it.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,9 @@ SERVICE_DNS_FORMS = ("{name}", "{name}.{ns}", "{name}.{ns}.svc", "{name}.{ns}.sv
 
 def mlflow_container(find_object) -> dict:
     deployment = find_object("Deployment", "mlflow")
-    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "mlflow"]
+    (container,) = [
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "mlflow"
+    ]
     return container
 
 
@@ -38,15 +41,22 @@ def server_args(container: dict) -> dict[str, str]:
 
 
 def allowed_hosts(find_object) -> list[str]:
-    return [h.strip() for h in server_args(mlflow_container(find_object))["--allowed-hosts"].split(",")]
+    return [
+        h.strip() for h in server_args(mlflow_container(find_object))["--allowed-hosts"].split(",")
+    ]
 
 
 def service_port(service: dict, deployment: dict) -> int:
     (port,) = service["spec"]["ports"]
-    container_ports = {p["name"]: p["containerPort"]
-                       for c in deployment["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    container_ports = {
+        p["name"]: p["containerPort"]
+        for c in deployment["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
     target = port["targetPort"]
-    assert target in container_ports or target in container_ports.values(), f"targetPort {target!r} is no container port"
+    assert target in container_ports or target in container_ports.values(), (
+        f"targetPort {target!r} is no container port"
+    )
     return port["port"]
 
 
@@ -54,7 +64,9 @@ def test_service_selects_the_deployment_and_reaches_its_port(find_object):
     for name in ("mlflow", "mlflow-postgres"):
         deployment, service = find_object("Deployment", name), find_object("Service", name)
         labels = deployment["spec"]["template"]["metadata"]["labels"]
-        assert service["spec"]["selector"].items() <= labels.items(), f"Service {name} selects no pod of its Deployment"
+        assert service["spec"]["selector"].items() <= labels.items(), (
+            f"Service {name} selects no pod of its Deployment"
+        )
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
         service_port(service, deployment)
 
@@ -73,17 +85,25 @@ def test_allowed_hosts_admit_every_in_cluster_name_of_the_service(find_object):
     assert "*" not in hosts and not is_allowed_host_header(hosts, f"evil.example.com:{port}")
 
 
-def test_jobs_log_to_the_service_under_an_allowed_host(find_object, rayjob_overrides, ray_cluster_specs):
+def test_jobs_log_to_the_service_under_an_allowed_host(
+    find_object, rayjob_overrides, ray_cluster_specs
+):
     from mlflow.server.security_utils import is_allowed_host_header
 
     service = find_object("Service", "mlflow")
-    expected = f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local:" \
-               f"{service['spec']['ports'][0]['port']}"
+    expected = (
+        f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local:"
+        f"{service['spec']['ports'][0]['port']}"
+    )
     uris = {"rayjob.yaml entrypoint": rayjob_overrides["tracking.tracking_uri"]}
     for name, spec in ray_cluster_specs.items():
-        templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+        templates = [spec["headGroupSpec"]["template"]] + [
+            g["template"] for g in spec["workerGroupSpecs"]
+        ]
         for i, t in enumerate(templates):
-            uris[f"{name} pod {i}"] = container_env(ray_container(t))["MLFLOW_TRACKING_URI"]["value"]
+            uris[f"{name} pod {i}"] = container_env(ray_container(t))["MLFLOW_TRACKING_URI"][
+                "value"
+            ]
     assert set(uris.values()) == {expected}, uris
     assert is_allowed_host_header(allowed_hosts(find_object), urlparse(expected).netloc)
 
@@ -92,19 +112,29 @@ def test_server_has_a_database_backend_and_a_served_artifact_store(find_object):
     container = mlflow_container(find_object)
     args = server_args(container)
     backend = urlparse(args["--backend-store-uri"])
-    assert backend.scheme.startswith(("postgresql", "mysql")), f"backend {backend.scheme}: use a database server"
+    assert backend.scheme.startswith(("postgresql", "mysql")), (
+        f"backend {backend.scheme}: use a database server"
+    )
     assert backend.hostname == "mlflow-postgres", "backend host should be the PostgreSQL Service"
     env = container_env(container)
     for var in ("MLFLOW_DB_USER", "MLFLOW_DB_PASSWORD"):
-        assert f"$({var})" in args["--backend-store-uri"] and "secretKeyRef" in env[var]["valueFrom"]
+        assert (
+            f"$({var})" in args["--backend-store-uri"] and "secretKeyRef" in env[var]["valueFrom"]
+        )
     assert "--serve-artifacts" in args
     destination = args["--artifacts-destination"]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in find_object("Deployment", "mlflow")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {
+        v["name"]: v
+        for v in find_object("Deployment", "mlflow")["spec"]["template"]["spec"]["volumes"]
+    }
     assert destination in mounts and "persistentVolumeClaim" in volumes[mounts[destination]], (
-        f"artifacts go to {destination}, which is not a mounted claim")
+        f"artifacts go to {destination}, which is not a mounted claim"
+    )
     postgres = find_object("Deployment", "mlflow-postgres")["spec"]["template"]["spec"]
-    assert any("persistentVolumeClaim" in v for v in postgres["volumes"]), "PostgreSQL data must be on a claim"
+    assert any("persistentVolumeClaim" in v for v in postgres["volumes"]), (
+        "PostgreSQL data must be on a claim"
+    )
 
 
 def test_mlflow_cli_accepts_the_manifest_arguments(find_object):
@@ -137,19 +167,31 @@ def test_real_server_with_manifest_arguments_answers_the_service_name(find_objec
     ones) answers the in-cluster Service name and refuses an unknown host; /health answers any
     host, so the kubelet's probes by pod IP pass."""
     args = server_args(mlflow_container(find_object))
-    args.update({"--backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db",
-                 "--artifacts-destination": str(tmp_path / "artifacts"),
-                 "--host": "127.0.0.1", "--port": str(_free_port()), "--workers": "1"})
-    cmd = [sys.executable, "-m", "mlflow", "server"] + [f"{k}={v}" if v else k for k, v in args.items()]
+    args.update(
+        {
+            "--backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db",
+            "--artifacts-destination": str(tmp_path / "artifacts"),
+            "--host": "127.0.0.1",
+            "--port": str(_free_port()),
+            "--workers": "1",
+        }
+    )
+    cmd = [sys.executable, "-m", "mlflow", "server"] + [
+        f"{k}={v}" if v else k for k, v in args.items()
+    ]
     service = find_object("Service", "mlflow")
-    in_cluster = f"mlflow.{service['metadata']['namespace']}.svc.cluster.local:{service['spec']['ports'][0]['port']}"
+    in_cluster = (
+        f"mlflow.{service['metadata']['namespace']}.svc.cluster.local:"
+        f"{service['spec']['ports'][0]['port']}"
+    )
     base = f"http://127.0.0.1:{args['--port']}"
     # The GenAI job runner is beside the point here and doubles start-up and shutdown time.
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     log = open(tmp_path / "server.log", "w")
     # Own session: `mlflow server` runs uvicorn as a child; stopping the group leaves no orphan.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 60
         while True:  # no readiness event to wait on: poll the port the server binds

@@ -1,16 +1,15 @@
 """A single-process reference and the same training under our engine, for parity tests."""
-from __future__ import annotations
 
-import math
+from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.config import ShardingConfig
-from trainer.fsdp import FSDPModel, build_mesh
-from trainer.config import ShardingStrategy
-from trainer.model import build_model, init_parameters, loss_sum, model_config
+from trainer.config import ShardingConfig, model_config
+from trainer.fsdp import FSDPModel, block_policy, build_mesh, parallelize
+from trainer.fsdp.state import full_gradients, full_parameters
+from trainer.model import build_model, initializer, loss_sum
 
 SEED = 1234
 SEQ = 16
@@ -51,21 +50,37 @@ def reference(steps: int, global_batch: int, dtype=torch.float32):
         opt.step()
         opt.zero_grad()
         losses.append(float(s.detach()) / (global_batch * SEQ))
-    return dict(losses=losses, norms=norms, grads0=grads0,
-                params={k: p.detach().clone() for k, p in model.named_parameters()})
+    return dict(
+        losses=losses,
+        norms=norms,
+        grads0=grads0,
+        params={k: p.detach().clone() for k, p in model.named_parameters()},
+    )
 
 
 def wrap(rank: int, world: int, policy=None, **sharding) -> FSDPModel:
     """policy(model) -> the unit modules; None is the default (one unit per block)."""
     cfg = ShardingConfig(**sharding)
-    mesh = build_mesh(ShardingStrategy.parse(cfg.strategy), rank, world, cfg.hybrid_shard_group_size, world)
-    model = build_model(tiny(), device="meta")
-    return FSDPModel(model, cfg, mesh, torch.device("cpu"), units=policy(model) if policy else None,
-                     init_fn=lambda m, p: init_parameters(m, SEED, p))
+    mesh = build_mesh(cfg, rank, world, local_world_size=world)
+    return parallelize(
+        build_model(tiny(), device="meta"),
+        cfg,
+        mesh,
+        "cpu",
+        init_fn=initializer(SEED),
+        wrap_policy=policy or block_policy,
+    )
 
 
-def engine_run(rank: int, world: int, steps: int, global_batch: int, sharding: dict,
-               micro_batches: int = 1, keep_trace: bool = False):
+def engine_run(
+    rank: int,
+    world: int,
+    steps: int,
+    global_batch: int,
+    sharding: dict,
+    micro_batches: int = 1,
+    keep_trace: bool = False,
+):
     """Our engine on this rank: same data split by rank_range, losses all-reduced."""
     fsdp = wrap(rank, world, **sharding)
     opt = optimizer(fsdp.param_groups(WD))
@@ -73,7 +88,6 @@ def engine_run(rank: int, world: int, steps: int, global_batch: int, sharding: d
     hi = (rank + 1) * global_batch // world
     losses, norms, grads0, acct = [], [], None, []
     for step in range(steps):
-        fsdp.acct.reset_step()
         x, y = batch(step, global_batch)
         x, y = x[lo:hi], y[lo:hi]
         parts = np.array_split(np.arange(hi - lo), micro_batches)
@@ -88,22 +102,34 @@ def engine_run(rank: int, world: int, steps: int, global_batch: int, sharding: d
                 (s / (global_batch * SEQ)).backward()
             total += s.detach()
         if step == 0:
-            grads0 = fsdp.full_gradients()
+            grads0 = full_gradients(fsdp)
         norms.append(float(fsdp.clip_grad_norm_(CLIP)))
         opt.step()
         fsdp.zero_grad()
-        fsdp.update_optim_accounting(opt)
+        fsdp.metrics(opt)  # counts the optimizer state in the accounting
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / (global_batch * SEQ))
-        acct.append(dict(comm=dict(fsdp.acct.comm_bytes), peak=dict(fsdp.acct.peak),
-                         persistent=fsdp.acct.persistent_bytes()))
-    out = dict(losses=losses, norms=norms, grads0=grads0, params=fsdp.full_parameters(), acct=acct,
-               largest_unit=fsdp.largest_unit_bytes(), num_params=fsdp.num_params(),
-               flats=[(f.padded_numel, f.shard_numel, f.valid_numel) for f in fsdp.flats()])
+        acct.append(
+            dict(
+                comm=dict(fsdp.acct.comm_bytes),
+                peak=dict(fsdp.acct.peak),
+                persistent=fsdp.acct.persistent_bytes(),
+            )
+        )
+    out = dict(
+        losses=losses,
+        norms=norms,
+        grads0=grads0,
+        params=full_parameters(fsdp),
+        acct=acct,
+        largest_unit=fsdp.largest_unit_bytes(),
+        num_params=fsdp.num_params(),
+        flats=[(f.padded_numel, f.shard_numel, f.valid_numel) for f in fsdp.flats()],
+    )
     if keep_trace:
         out["events"] = [(e.kind, e.op, e.unit) for e in fsdp.acct.events]
-        out["order"] = [u.name for u in fsdp._order]
+        out["order"] = [u.name for u in fsdp.scheduler.order]
     return out
 
 

@@ -1,15 +1,16 @@
 """fp16 loss scaling agreed across ranks, frozen parameters, and meta-device wrapping."""
+
 import resource
 
-import pytest
 import torch
 
 from tests.dist_utils import fresh_ranks, run_distributed
 from tests.fsdp.scaffold import engine_run, reference, rel
-from trainer.config import ShardingConfig, ShardingStrategy
-from trainer.fsdp import FSDPModel, build_mesh
+from trainer.config import ShardingConfig, model_config
+from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
-from trainer.model import build_model, init_parameters, model_config
+from trainer.fsdp.state import full_gradients
+from trainer.model import build_model, initializer
 
 
 def _overflow_on_one_rank(rank, world):
@@ -32,18 +33,24 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
 def _fp16_and_frozen(rank, world):
     out = engine_run(rank, world, 4, 6, dict(strategy="FULL_SHARD", param_dtype="float16"))
     cfg = ShardingConfig(strategy="FULL_SHARD")
-    model = build_model(model_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64), device="meta")
+    model = build_model(
+        model_config("tiny", dim=32, n_layers=2, n_heads=2, ffn_dim=64), device="meta"
+    )
     for p in model.tok_embeddings.parameters():
         p.requires_grad_(False)
-    mesh = build_mesh(ShardingStrategy.FULL_SHARD, rank, world, 0, world)
-    fsdp = FSDPModel(model, cfg, mesh, torch.device("cpu"), init_fn=lambda m, p: init_parameters(m, 0, p))
+    mesh = build_mesh(cfg, rank, world, local_world_size=world)
+    fsdp = parallelize(model, cfg, mesh, "cpu", init_fn=initializer(0))
     x = torch.randint(0, 256, (2, 8))
     fsdp(x).float().pow(2).mean().backward()
-    grads = fsdp.full_gradients()
+    grads = full_gradients(fsdp)
     root_flats = [(f.requires_grad, [i.fqn for i in f.infos]) for f in fsdp.root.flats]
-    return dict(fp16_losses=out["losses"], grads=sorted(grads), root_flats=root_flats,
-                grad_bytes=fsdp.acct.live["sharded_grads"],
-                trainable_shard=sum(f.shard_numel for f in fsdp.flats() if f.requires_grad))
+    return dict(
+        fp16_losses=out["losses"],
+        grads=sorted(grads),
+        root_flats=root_flats,
+        grad_bytes=fsdp.acct.live["sharded_grads"],
+        trainable_shard=sum(f.shard_numel for f in fsdp.flats() if f.requires_grad),
+    )
 
 
 def test_fp16_params_and_frozen_parameters_take_no_gradient_memory():
@@ -57,12 +64,17 @@ def test_fp16_params_and_frozen_parameters_take_no_gradient_memory():
 
 def _wrap_big(rank, world, cfg):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    mesh = build_mesh(ShardingStrategy.FULL_SHARD, rank, world, 0, world)
-    fsdp = FSDPModel(build_model(cfg, device="meta"), ShardingConfig(), mesh, torch.device("cpu"),
-                     init_fn=lambda m, p: init_parameters(m, 0, p))
+    sharding = ShardingConfig()
+    mesh = build_mesh(sharding, rank, world, local_world_size=world)
+    fsdp = parallelize(
+        build_model(cfg, device="meta"), sharding, mesh, "cpu", init_fn=initializer(0)
+    )
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return dict(growth=after - before, shard_bytes=fsdp.acct.live["sharded_params"],
-                largest=max(sum(f.padded_numel for f in u.flats) * 4 for u in fsdp.all_units()))
+    return dict(
+        growth=after - before,
+        shard_bytes=fsdp.acct.live["sharded_params"],
+        largest=max(sum(f.padded_numel for f in u.flats) * 4 for u in fsdp.all_units()),
+    )
 
 
 def test_a_model_larger_than_one_rank_holds_is_built_shard_by_shard():
@@ -75,5 +87,7 @@ def test_a_model_larger_than_one_rank_holds_is_built_shard_by_shard():
         # the shard, plus one unit materialised at a time (and its flat copy), plus allocator slack
         assert r["growth"] < r["shard_bytes"] + 3 * r["largest"] + 200e6
         assert r["growth"] < 0.6 * full_bytes, (r["growth"], full_bytes)
-        print(f"peak RSS growth {r['growth'] / 1e6:.0f} MB for a {full_bytes / 1e6:.0f} MB model "
-              f"(shard {r['shard_bytes'] / 1e6:.0f} MB)")
+        print(
+            f"peak RSS growth {r['growth'] / 1e6:.0f} MB for a {full_bytes / 1e6:.0f} MB model "
+            f"(shard {r['shard_bytes'] / 1e6:.0f} MB)"
+        )

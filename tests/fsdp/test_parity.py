@@ -5,6 +5,7 @@ The matrix: strategy x world size 1, 2, 3 (uneven shards: no unit's size divides
 x {1, 2} micro-batches, 10 steps each. One process group per world size runs every configuration,
 so the whole matrix costs a few spawns.
 """
+
 import itertools
 
 import pytest
@@ -23,18 +24,33 @@ def ref():
     return reference(STEPS, BATCH)
 
 
-def configs(world: int, strategies=STRATEGIES, dtypes=("float32", "bfloat16"), ac=(False, True), micro=(1, 2)):
+def configs(
+    world: int,
+    strategies=STRATEGIES,
+    dtypes=("float32", "bfloat16"),
+    ac=(False, True),
+    micro=(1, 2),
+):
     out = []
     for s, d, a, m in itertools.product(strategies, dtypes, ac, micro):
-        out.append(dict(strategy=s, param_dtype=d, activation_checkpointing=a, micro_batches=m,
-                        hybrid_shard_group_size=HYBRID_GROUP[world]))
+        out.append(
+            dict(
+                strategy=s,
+                param_dtype=d,
+                activation_checkpointing=a,
+                micro_batches=m,
+                hybrid_shard_group_size=HYBRID_GROUP[world],
+            )
+        )
     return out
 
 
 def check(world: int, cfgs: list[dict], ref) -> None:
-    peers = {d: dict(fsdp2=True, param_dtype=d) for d in {c["param_dtype"] for c in cfgs} if world > 1}
+    peers = {
+        d: dict(fsdp2=True, param_dtype=d) for d in {c["param_dtype"] for c in cfgs} if world > 1
+    }
     results = run_distributed(matrix_run, world, cfgs + list(peers.values()), STEPS, BATCH)[0]
-    fsdp2 = dict(zip(peers, results[len(cfgs):]))
+    fsdp2 = dict(zip(peers, results[len(cfgs) :]))
     failures = []
     for c, r in zip(cfgs, results):
         tag = f"world={world} {c}"
@@ -46,7 +62,9 @@ def check(world: int, cfgs: list[dict], ref) -> None:
             if worst > 1e-5:
                 failures.append(f"{tag}: grad-norm rel err {worst:.2e} vs single process")
             for k, g in ref["grads0"].items():
-                if not torch.allclose(r["grads0"][k], g, rtol=1e-4, atol=1e-6 * float(g.abs().max())):
+                if not torch.allclose(
+                    r["grads0"][k], g, rtol=1e-4, atol=1e-6 * float(g.abs().max())
+                ):
                     failures.append(f"{tag}: step-0 gradient of {k} differs")
             if "float32" in fsdp2:
                 worst = max(rel(a, b) for a, b in zip(r["losses"], fsdp2["float32"]))
@@ -56,24 +74,46 @@ def check(world: int, cfgs: list[dict], ref) -> None:
             base = fsdp2.get("bfloat16", ref["losses"])
             worst = max(rel(a, b) for a, b in zip(r["losses"], base))
             if worst > 1e-2:
-                failures.append(f"{tag}: loss rel err {worst:.2e} vs {'FSDP2 bf16' if world > 1 else 'fp32 ref'}")
+                failures.append(
+                    f"{tag}: loss rel err {worst:.2e} vs "
+                    f"{'FSDP2 bf16' if world > 1 else 'fp32 ref'}"
+                )
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_strategy_matches_single_process_fp32_at_world_size(world, ref):
-    check(world, configs(world, dtypes=("float32",), ac=(False,), micro=(1,)) +
-          configs(world, strategies=("FULL_SHARD",), dtypes=("float32",), ac=(True,), micro=(2,)), ref)
+    check(
+        world,
+        configs(world, dtypes=("float32",), ac=(False,), micro=(1,))
+        + configs(world, strategies=("FULL_SHARD",), dtypes=("float32",), ac=(True,), micro=(2,)),
+        ref,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bf16_params_match_fsdp2_mixed_precision_at_world_size(world, ref):
-    check(world, configs(world, strategies=("FULL_SHARD", "NO_SHARD"), dtypes=("bfloat16",), ac=(False,),
-                         micro=(1,)), ref)
+    check(
+        world,
+        configs(
+            world,
+            strategies=("FULL_SHARD", "NO_SHARD"),
+            dtypes=("bfloat16",),
+            ac=(False,),
+            micro=(1,),
+        ),
+        ref,
+    )
 
 
 def test_hybrid_shard_two_groups_of_two_matches_single_process(ref):
-    check(4, configs(4, strategies=("HYBRID_SHARD",), dtypes=("float32",), ac=(False, True), micro=(1, 2)), ref)
+    check(
+        4,
+        configs(
+            4, strategies=("HYBRID_SHARD",), dtypes=("float32",), ac=(False, True), micro=(1, 2)
+        ),
+        ref,
+    )
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The engine on CUDA with NCCL at world size 1 (one GPU cannot host two NCCL ranks): bf16,
 collective streams ordered by events, and the activation-checkpointing memory saving.
 Skipped without CUDA; run on a GPU machine with `make test ARGS=tests/gpu`."""
+
 import os
 
 import pytest
@@ -8,11 +9,14 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import free_port
-from trainer.config import ShardingConfig, ShardingStrategy
-from trainer.fsdp import FSDPModel, build_mesh
-from trainer.model import build_model, init_parameters, loss_sum, model_config
+from trainer.config import ShardingConfig, model_config
+from trainer.fsdp import build_mesh, parallelize
+from trainer.model import build_model, initializer, loss_sum
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +30,9 @@ def nccl():
 def _train(cfg: ShardingConfig, steps=3, model=None, batch=8, seq=512):
     torch.cuda.reset_peak_memory_stats()
     mcfg = model or model_config("125m", n_layers=4)
-    mesh = build_mesh(ShardingStrategy.parse(cfg.strategy), 0, 1, 0, 1)
-    fsdp = FSDPModel(build_model(mcfg, device="meta"), cfg, mesh, torch.device("cuda"),
-                     init_fn=lambda m, p: init_parameters(m, 0, p))
+    fsdp = parallelize(
+        build_model(mcfg, device="meta"), cfg, build_mesh(cfg, 0, 1), "cuda", init_fn=initializer(0)
+    )
     opt = torch.optim.AdamW(fsdp.param_groups(0.1), lr=1e-3)
     g = torch.Generator(device="cpu").manual_seed(0)
     losses = []
@@ -53,15 +57,24 @@ def test_bf16_full_shard_trains_on_cuda_with_nccl(nccl):
 
 def test_activation_checkpointing_saves_memory_on_cuda(nccl):
     _, plain = _train(ShardingConfig(strategy="FULL_SHARD", param_dtype="bfloat16"), steps=1)
-    _, ckpt = _train(ShardingConfig(strategy="FULL_SHARD", param_dtype="bfloat16",
-                                    activation_checkpointing=True), steps=1)
+    _, ckpt = _train(
+        ShardingConfig(
+            strategy="FULL_SHARD", param_dtype="bfloat16", activation_checkpointing=True
+        ),
+        steps=1,
+    )
     assert ckpt < 0.8 * plain, (ckpt, plain)
 
 
 def test_collectives_run_on_their_own_streams(nccl):
-    mesh = build_mesh(ShardingStrategy.FULL_SHARD, 0, 1, 0, 1)
-    fsdp = FSDPModel(build_model(model_config("tiny"), device="meta"), ShardingConfig(), mesh,
-                     torch.device("cuda"), init_fn=lambda m, p: init_parameters(m, 0, p))
+    cfg = ShardingConfig()
+    fsdp = parallelize(
+        build_model(model_config("tiny"), device="meta"),
+        cfg,
+        build_mesh(cfg, 0, 1),
+        "cuda",
+        init_fn=initializer(0),
+    )
     streams = fsdp.comm.streams
     assert len({s.cuda_stream for s in streams.values()}) == 3
     assert torch.cuda.current_stream().cuda_stream not in {s.cuda_stream for s in streams.values()}

@@ -39,6 +39,7 @@ Why this format:
   every rank's index is present and matches its data file and every tensor is fully covered.
 - Everything goes through pyarrow.fs, so local paths and URIs run the same code.
 """
+
 from trainer.checkpoint.catalog import CheckpointInfo, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.format import BLOCK_BYTES, CheckpointError, TensorChunk
 from trainer.checkpoint.reader import CheckpointReader
@@ -46,6 +47,13 @@ from trainer.checkpoint.verify import verify
 from trainer.checkpoint.writer import CheckpointWriter
 
 __all__ = [
-    "BLOCK_BYTES", "CheckpointError", "CheckpointInfo", "CheckpointReader", "CheckpointWriter",
-    "TensorChunk", "latest_checkpoint", "list_checkpoints", "verify",
+    "BLOCK_BYTES",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "TensorChunk",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "verify",
 ]

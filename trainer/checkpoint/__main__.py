@@ -2,11 +2,12 @@
 
     python -m trainer.checkpoint inspect runs/checkpoints                 # every step, valid or not
     python -m trainer.checkpoint inspect runs/checkpoints/step_000000060  # one checkpoint
-    python -m trainer.checkpoint verify  s3://bucket/run/step_000000060   # all checksums; rc 1 if bad
+    python -m trainer.checkpoint verify  s3://bucket/run/step_000000060   # checksums; rc 1 if bad
     python -m trainer.checkpoint export  runs/checkpoints/step_000000060 out/ [--dtype bfloat16]
 
 Exit codes: 0 fine, 1 invalid/corrupt checkpoint, 2 usage or I/O error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ from trainer.checkpoint import storage
 from trainer.checkpoint.catalog import check, list_checkpoints
 from trainer.checkpoint.export import export
 from trainer.checkpoint.format import MANIFEST, CheckpointError, numel_of, parse_step_dir
+from trainer.checkpoint.keys import param_name
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.verify import verify
 
@@ -36,11 +38,16 @@ def _fmt_bytes(n: float) -> str:
 def _summary(path: str) -> dict:
     with CheckpointReader(path) as r:
         keys = r.keys()
-        params = sum(numel_of(r.shape(k)) for k in keys if k.startswith("model/"))
-        return dict(step=r.step, world_size=r.world_size, strategy=r.state.get("strategy", "?"),
-                    parameters=params, tensors=len(keys),
-                    bytes=sum(f["size"] for f in r.manifest["files"]),
-                    files=len(r.manifest["files"]))
+        params = sum(numel_of(r.shape(k)) for k in keys if param_name(k) is not None)
+        return dict(
+            step=r.step,
+            world_size=r.world_size,
+            strategy=r.state.get("strategy", "?"),
+            parameters=params,
+            tensors=len(keys),
+            bytes=sum(f["size"] for f in r.manifest["files"]),
+            files=len(r.manifest["files"]),
+        )
 
 
 def cmd_inspect(path: str) -> int:
@@ -49,14 +56,18 @@ def cmd_inspect(path: str) -> int:
         if not found:
             print(f"{path}: no step_* checkpoints")
             return 1
-        print(f"{'step':>10}  {'world':>5}  {'strategy':<14} {'parameters':>14}  {'bytes':>10}  valid")
+        print(
+            f"{'step':>10}  {'world':>5}  {'strategy':<14} {'parameters':>14}  {'bytes':>10}  valid"
+        )
         for c in found:
             if c.problem:
                 print(f"{c.step:>10}  {'-':>5}  {'-':<14} {'-':>14}  {'-':>10}  NO: {c.problem}")
                 continue
             s = _summary(c.path)
-            print(f"{c.step:>10}  {s['world_size']:>5}  {s['strategy']:<14} {s['parameters']:>14,}"
-                  f"  {_fmt_bytes(s['bytes']):>10}  yes")
+            print(
+                f"{c.step:>10}  {s['world_size']:>5}  {s['strategy']:<14} {s['parameters']:>14,}"
+                f"  {_fmt_bytes(s['bytes']):>10}  yes"
+            )
         return 0
     problem = check(storage.resolve(path))
     print(f"path:        {path}")
@@ -67,8 +78,10 @@ def cmd_inspect(path: str) -> int:
     print(f"step:        {s['step']}\nworld size:  {s['world_size']}\nstrategy:    {s['strategy']}")
     print(f"parameters:  {s['parameters']:,} (model/* tensors; {s['tensors']} tensors in all)")
     print(f"bytes:       {_fmt_bytes(s['bytes'])} in {s['files']} shard files")
-    print("valid:       yes (committed, every shard present with its recorded size; "
-          "`verify` reads all checksums)")
+    print(
+        "valid:       yes (committed, every shard present with its recorded size; "
+        "`verify` reads all checksums)"
+    )
     return 0
 
 
@@ -85,21 +98,30 @@ def cmd_verify(path: str) -> int:
 
 def cmd_export(path: str, out: str, dtype) -> int:
     s = export(path, out, dtype)
-    print(f"exported step {s['step']}: {s['tensors']} tensors, {s['parameters']:,} parameters "
-          f"-> {out}/model.safetensors + config.json")
+    print(
+        f"exported step {s['step']}: {s['tensors']} tensors, {s['parameters']:,} parameters "
+        f"-> {out}/model.safetensors + config.json"
+    )
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.checkpoint", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer.checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("inspect", help="a checkpoint, or every checkpoint under a root").add_argument("path")
+    sub.add_parser("inspect", help="a checkpoint, or every checkpoint under a root").add_argument(
+        "path"
+    )
     sub.add_parser("verify", help="read and check every block checksum").add_argument("path")
     ex = sub.add_parser("export", help="consolidated model weights as safetensors + config.json")
     ex.add_argument("path")
     ex.add_argument("out", help="local output directory")
-    ex.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as stored)")
+    ex.add_argument(
+        "--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as stored)"
+    )
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":

@@ -5,6 +5,7 @@ every shard file it lists present with the recorded size, and the chunk table's 
 That costs one LIST of the step directory and two small reads, so resume can afford it for every
 candidate. Corruption inside a shard is caught when those bytes are read (or by `verify`).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -14,25 +15,35 @@ from typing import Callable, Optional
 import pyarrow.fs as pafs
 
 from trainer.checkpoint import storage
-from trainer.checkpoint.format import (CHUNK_TABLE, MANIFEST, ChunkRow, CheckpointError,
-                                       decode_manifest, parse_step_dir, table_from_bytes,
-                                       table_to_rows)
+from trainer.checkpoint.format import (
+    MANIFEST,
+    CheckpointError,
+    ChunkRow,
+    decode_manifest,
+    parse_step_dir,
+    table_from_bytes,
+    table_to_rows,
+)
 from trainer.checkpoint.storage import Location
 
 
 def read_manifest(step_dir: Location, listing: Optional[dict] = None) -> dict:
-    """The manifest body, or CheckpointError saying why the directory is not a committed checkpoint."""
+    """The manifest body, or CheckpointError saying why the directory is not a committed
+    checkpoint."""
     listing = storage.list_dir(step_dir) if listing is None else listing
     if not listing:
         raise CheckpointError(f"{step_dir}: no such checkpoint directory (or it is empty)")
     if MANIFEST not in listing:
-        raise CheckpointError(f"{step_dir}: not committed: no {MANIFEST} (the save was torn "
-                              "before rank 0 committed it, or is still in progress)")
+        raise CheckpointError(
+            f"{step_dir}: not committed: no {MANIFEST} (the save was torn "
+            "before rank 0 committed it, or is still in progress)"
+        )
     body = decode_manifest(storage.read_bytes(step_dir.child(MANIFEST)), f"{step_dir}/{MANIFEST}")
     named = parse_step_dir(step_dir.name)
     if named is not None and named != body.get("step"):
-        raise CheckpointError(f"{step_dir}: manifest is for step {body.get('step')}, "
-                              f"the directory name says {named}")
+        raise CheckpointError(
+            f"{step_dir}: manifest is for step {body.get('step')}, the directory name says {named}"
+        )
     return body
 
 
@@ -91,12 +102,16 @@ class CheckpointInfo:
     """None when committed and whole; else why not."""
 
 
-def step_dirs(root: str, filesystem: Optional[pafs.FileSystem] = None) -> list[tuple[int, Location]]:
+def step_dirs(
+    root: str, filesystem: Optional[pafs.FileSystem] = None
+) -> list[tuple[int, Location]]:
     """Every step_* directory under `root`, newest first (one LIST, nothing validated)."""
     base = storage.resolve(root, filesystem)
-    found = [(parse_step_dir(name), base.child(name))
-             for name, info in storage.list_dir(base).items()
-             if info.type == pafs.FileType.Directory and parse_step_dir(name) is not None]
+    found = [
+        (parse_step_dir(name), base.child(name))
+        for name, info in storage.list_dir(base).items()
+        if info.type == pafs.FileType.Directory and parse_step_dir(name) is not None
+    ]
     return sorted(found, key=lambda s: -s[0])
 
 
@@ -109,13 +124,16 @@ def check(step_dir: Location) -> Optional[str]:
         return str(e)
 
 
-def list_checkpoints(root: str, filesystem: Optional[pafs.FileSystem] = None) -> list[CheckpointInfo]:
+def list_checkpoints(
+    root: str, filesystem: Optional[pafs.FileSystem] = None
+) -> list[CheckpointInfo]:
     """Every step_* directory under `root`, newest first, each validated (cheap checks)."""
     return [CheckpointInfo(step, str(loc), check(loc)) for step, loc in step_dirs(root, filesystem)]
 
 
-def latest_checkpoint(root: str, log: Callable[[str], None] = print,
-                      filesystem: Optional[pafs.FileSystem] = None) -> Optional[str]:
+def latest_checkpoint(
+    root: str, log: Callable[[str], None] = print, filesystem: Optional[pafs.FileSystem] = None
+) -> Optional[str]:
     """The newest committed and whole checkpoint under `root`, or None.
 
     Each newer one that is torn or corrupt is skipped with a message saying which and why, and
@@ -126,8 +144,10 @@ def latest_checkpoint(root: str, log: Callable[[str], None] = print,
         problem = check(loc)
         if problem is None:
             if skipped:
-                log(f"checkpoint: falling back to {loc} (step {step}); skipped newer "
-                    f"step(s) {', '.join(map(str, skipped))}")
+                log(
+                    f"checkpoint: falling back to {loc} (step {step}); skipped newer "
+                    f"step(s) {', '.join(map(str, skipped))}"
+                )
             return str(loc)
         log(f"checkpoint: skipping {loc}: {problem}")
         skipped.append(step)

@@ -3,6 +3,7 @@
 Everything here is pure data encoding (no I/O), so the writer, the reader, `verify` and the CLI
 agree on one definition. See the package docstring for the layout and why it was chosen.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ ALIGN = 64
 _STEP_DIR = re.compile(r"^step_(\d{9,})$")
 
 if sys.byteorder != "little":  # raw bytes are little-endian by definition of the format
-    raise ImportError("trainer.checkpoint stores raw little-endian tensors; big-endian hosts "
-                      "are not supported")
+    raise ImportError(
+        "trainer.checkpoint stores raw little-endian tensors; big-endian hosts are not supported"
+    )
 
 
 class CheckpointError(RuntimeError):
@@ -59,6 +61,7 @@ class TensorChunk:
 
 # ----------------------------------------------------------------------------- names
 
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
@@ -79,23 +82,41 @@ def index_file_name(rank: int, world_size: int) -> str:
 
 # ----------------------------------------------------------------------------- dtypes
 
-_DTYPES = {name: getattr(torch, name) for name in (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype, key: str = "?") -> str:
     if dtype not in _DTYPE_NAMES:
-        raise CheckpointError(f"tensor {key!r}: dtype {dtype} cannot be stored; valid: "
-                              f"{', '.join(_DTYPES)}")
+        raise CheckpointError(
+            f"tensor {key!r}: dtype {dtype} cannot be stored; valid: {', '.join(_DTYPES)}"
+        )
     return _DTYPE_NAMES[dtype]
 
 
 def dtype_from_name(name: str, key: str = "?") -> torch.dtype:
     if name not in _DTYPES:
-        raise CheckpointError(f"tensor {key!r}: unknown dtype {name!r} in the chunk table; "
-                              f"valid: {', '.join(_DTYPES)}")
+        raise CheckpointError(
+            f"tensor {key!r}: unknown dtype {name!r} in the chunk table; "
+            f"valid: {', '.join(_DTYPES)}"
+        )
     return _DTYPES[name]
 
 
@@ -109,18 +130,20 @@ def numel_of(shape) -> int:
 
 # ----------------------------------------------------------------------------- chunk table
 
-CHUNK_SCHEMA = pa.schema([
-    ("key", pa.string()),             # tensor name
-    ("shape", pa.list_(pa.int64())),  # global shape
-    ("dtype", pa.string()),           # torch dtype name, e.g. 'bfloat16'
-    ("start", pa.int64()),            # first element of the chunk in the flat full tensor
-    ("numel", pa.int64()),            # elements in the chunk
-    ("rank", pa.int32()),             # rank that wrote it
-    ("file", pa.string()),            # shard file name inside the step directory
-    ("offset", pa.int64()),           # byte offset of the chunk in that file
-    ("block_bytes", pa.int64()),      # checksum block size (last block may be shorter)
-    ("crc32", pa.list_(pa.uint32())),  # zlib.crc32 of each block
-])
+CHUNK_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),  # tensor name
+        ("shape", pa.list_(pa.int64())),  # global shape
+        ("dtype", pa.string()),  # torch dtype name, e.g. 'bfloat16'
+        ("start", pa.int64()),  # first element of the chunk in the flat full tensor
+        ("numel", pa.int64()),  # elements in the chunk
+        ("rank", pa.int32()),  # rank that wrote it
+        ("file", pa.string()),  # shard file name inside the step directory
+        ("offset", pa.int64()),  # byte offset of the chunk in that file
+        ("block_bytes", pa.int64()),  # checksum block size (last block may be shorter)
+        ("crc32", pa.list_(pa.uint32())),  # zlib.crc32 of each block
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -160,9 +183,18 @@ def table_to_rows(table: pa.Table) -> list[ChunkRow]:
         raise CheckpointError(f"chunk table has schema {table.schema}, expected {CHUNK_SCHEMA}")
     rows = []
     for r in table.to_pylist():
-        row = ChunkRow(key=r["key"], shape=tuple(r["shape"]), dtype=dtype_from_name(r["dtype"], r["key"]),
-                       start=r["start"], numel=r["numel"], rank=r["rank"], file=r["file"],
-                       offset=r["offset"], block_bytes=r["block_bytes"], crc32=tuple(r["crc32"]))
+        row = ChunkRow(
+            key=r["key"],
+            shape=tuple(r["shape"]),
+            dtype=dtype_from_name(r["dtype"], r["key"]),
+            start=r["start"],
+            numel=r["numel"],
+            rank=r["rank"],
+            file=r["file"],
+            offset=r["offset"],
+            block_bytes=r["block_bytes"],
+            crc32=tuple(r["crc32"]),
+        )
         _check_row(row)
         rows.append(row)
     return rows
@@ -174,8 +206,10 @@ def _check_row(row: ChunkRow) -> None:
     if row.start < 0 or row.numel < 0 or row.end > total:
         raise CheckpointError(f"{row.describe()}: range outside the tensor of shape {row.shape}")
     if row.block_bytes <= 0 or row.block_bytes % itemsize(row.dtype) or blocks != len(row.crc32):
-        raise CheckpointError(f"{row.describe()}: {len(row.crc32)} block checksums for "
-                              f"{row.nbytes} bytes in blocks of {row.block_bytes}")
+        raise CheckpointError(
+            f"{row.describe()}: {len(row.crc32)} block checksums for "
+            f"{row.nbytes} bytes in blocks of {row.block_bytes}"
+        )
 
 
 def table_to_bytes(table: pa.Table, metadata: Optional[dict] = None) -> bytes:
@@ -203,6 +237,7 @@ def table_from_bytes(data: bytes, what: str) -> tuple[pa.Table, dict]:
 
 # ----------------------------------------------------------------------------- manifest
 
+
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -221,11 +256,14 @@ def decode_manifest(data: bytes, where: str) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where}: manifest is not valid JSON of this format ({e})") from e
     if zlib.crc32(_canonical(body)) != crc:
-        raise CheckpointError(f"{where}: manifest checksum mismatch (the file was modified or "
-                              "corrupted after it was written)")
+        raise CheckpointError(
+            f"{where}: manifest checksum mismatch (the file was modified or "
+            "corrupted after it was written)"
+        )
     if body.get("format") != FORMAT:
         raise CheckpointError(f"{where}: format {body.get('format')!r}, expected {FORMAT!r}")
     if body.get("version") != VERSION:
-        raise CheckpointError(f"{where}: format version {body.get('version')!r}; this code "
-                              f"reads version {VERSION}")
+        raise CheckpointError(
+            f"{where}: format version {body.get('version')!r}; this code reads version {VERSION}"
+        )
     return body

@@ -7,6 +7,7 @@ A read touches only the checksum blocks that overlap the range (ranged reads thr
 pyarrow.fs), verifies each block, and stitches the range together from as many chunks as it
 spans, so a checkpoint written by N ranks loads at any M, under any sharding.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -20,7 +21,7 @@ import torch
 from trainer.checkpoint import storage
 from trainer.checkpoint.blocks import read_checked
 from trainer.checkpoint.catalog import load_rows, open_checkpoint
-from trainer.checkpoint.format import ChunkRow, CheckpointError, itemsize, numel_of
+from trainer.checkpoint.format import CheckpointError, ChunkRow, itemsize, numel_of
 from trainer.checkpoint.storage import Location
 
 
@@ -69,28 +70,40 @@ class CheckpointReader:
         slice), saving a copy and an allocation. A non-CPU `out` is filled through the host."""
         rows, total, numel = self._rows(key), self.numel(key), out.numel()
         if out.dtype != self.dtype(key) or out.dim() != 1 or not out.is_contiguous():
-            raise CheckpointError(f"read_into {key!r}: out must be a contiguous 1-D "
-                                  f"{self.dtype(key)} tensor, got {out.dtype} {tuple(out.shape)}")
+            raise CheckpointError(
+                f"read_into {key!r}: out must be a contiguous 1-D "
+                f"{self.dtype(key)} tensor, got {out.dtype} {tuple(out.shape)}"
+            )
         if start < 0 or start + numel > total:
-            raise CheckpointError(f"read {key!r}[{start}:{start + numel}]: outside the tensor's "
-                                  f"{total} elements (shape {self.shape(key)})")
+            raise CheckpointError(
+                f"read {key!r}[{start}:{start + numel}]: outside the tensor's "
+                f"{total} elements (shape {self.shape(key)})"
+            )
         host = out if out.device.type == "cpu" else torch.empty(numel, dtype=out.dtype)
         dst = memoryview(host.view(torch.uint8).numpy())
         isz, end, pos = itemsize(out.dtype), start + numel, start
         # Chunks are sorted by start; only those starting before `end` can overlap.
-        for row in rows[:bisect.bisect_left(self._starts[key], end)]:
+        for row in rows[: bisect.bisect_left(self._starts[key], end)]:
             if pos == end or row.start > pos:
                 break
             if row.end <= pos:
                 continue
             upto = min(row.end, end)
             self.bytes_read += read_checked(
-                self._open(row), row, (pos - row.start) * isz, (upto - row.start) * isz,
-                dst[(pos - start) * isz:(upto - start) * isz], self._scratch(row), str(self.location))
+                self._open(row),
+                row,
+                (pos - row.start) * isz,
+                (upto - row.start) * isz,
+                dst[(pos - start) * isz : (upto - start) * isz],
+                self._scratch(row),
+                str(self.location),
+            )
             pos = upto
         if pos < end:
-            raise CheckpointError(f"read {key!r}[{start}:{end}]: elements from {pos} on are in no "
-                                  f"chunk of {self.location} (coverage gap)")
+            raise CheckpointError(
+                f"read {key!r}[{start}:{end}]: elements from {pos} on are in no "
+                f"chunk of {self.location} (coverage gap)"
+            )
         if host is not out:
             out.copy_(host)
         return out
@@ -115,8 +128,9 @@ class CheckpointReader:
         if key not in self._chunks:
             near = difflib.get_close_matches(key, self._chunks, n=3)
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-            raise CheckpointError(f"{self.location}: no tensor {key!r} "
-                                  f"({len(self._chunks)} tensors stored){hint}")
+            raise CheckpointError(
+                f"{self.location}: no tensor {key!r} ({len(self._chunks)} tensors stored){hint}"
+            )
         return self._chunks[key]
 
     def _scratch(self, row: ChunkRow) -> bytearray:
@@ -131,6 +145,7 @@ class CheckpointReader:
             try:
                 self._files[row.file] = loc.fs.open_input_file(loc.path)
             except (FileNotFoundError, OSError) as e:
-                raise CheckpointError(f"{loc}: cannot open shard file needed for "
-                                      f"{row.describe()}: {e}") from e
+                raise CheckpointError(
+                    f"{loc}: cannot open shard file needed for {row.describe()}: {e}"
+                ) from e
         return self._files[row.file]

@@ -7,6 +7,7 @@ just committed belong to an abandoned timeline (a run that got further, then res
 earlier checkpoint because a later one was torn or corrupt): they are neither counted nor
 deleted, so the checkpoint just committed is always kept; a later save of that step replaces them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,9 @@ from trainer.checkpoint.storage import Location
 log = logging.getLogger(__name__)
 
 
-def apply_retention(root: Location, keep: int, committed_step: int,
-                    protected: set[str]) -> list[str]:
+def apply_retention(
+    root: Location, keep: int, committed_step: int, protected: set[str]
+) -> list[str]:
     """Delete what falls outside the policy; return the deleted directories."""
     deleted, kept = [], 0
     for step, loc in step_dirs(root.path, root.fs):
@@ -37,8 +39,11 @@ def apply_retention(root: Location, keep: int, committed_step: int,
             continue
         # Display form rebuilt from the root so URIs keep their query string.
         display = root.child(loc.name)
-        log.info("checkpoint retention: deleting %s (%s)", display,
-                 "older than the newest %d" % keep if committed else "uncommitted leftover")
+        log.info(
+            "checkpoint retention: deleting %s (%s)",
+            display,
+            "older than the newest %d" % keep if committed else "uncommitted leftover",
+        )
         storage.delete_dir(loc)
         deleted.append(str(display))
     return deleted

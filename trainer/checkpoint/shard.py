@@ -4,6 +4,7 @@ The copy (`stage`) is the only part the training loop waits for. It packs every 
 reusable host buffer (pinned when any chunk is on CUDA), laid out exactly as the shard file will
 be, so the background write is a sequential pass over that buffer computing block checksums.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -13,9 +14,19 @@ from typing import Optional
 import torch
 
 from trainer.checkpoint import storage
-from trainer.checkpoint.format import (ALIGN, MANIFEST, CheckpointError, TensorChunk, data_file_name,
-                                       dtype_name, index_file_name, itemsize, numel_of,
-                                       rows_to_table, table_to_bytes)
+from trainer.checkpoint.format import (
+    ALIGN,
+    MANIFEST,
+    CheckpointError,
+    TensorChunk,
+    data_file_name,
+    dtype_name,
+    index_file_name,
+    itemsize,
+    numel_of,
+    rows_to_table,
+    table_to_bytes,
+)
 from trainer.checkpoint.storage import Location
 
 
@@ -45,16 +56,24 @@ def validate_chunks(chunks: list[TensorChunk]) -> None:
         if any(not isinstance(s, int) or s < 0 for s in shape):
             raise CheckpointError(f"chunk {c.key!r}: shape={c.shape!r}; valid: non-negative ints")
         if not isinstance(c.data, torch.Tensor) or c.data.dim() != 1:
-            raise CheckpointError(f"chunk {c.key!r}: data must be a 1-D tensor, got "
-                                  f"{getattr(c.data, 'shape', type(c.data).__name__)}")
+            raise CheckpointError(
+                f"chunk {c.key!r}: data must be a 1-D tensor, got "
+                f"{getattr(c.data, 'shape', type(c.data).__name__)}"
+            )
         if c.data.dtype != c.dtype:
-            raise CheckpointError(f"chunk {c.key!r}: data dtype {c.data.dtype} != declared {c.dtype}")
+            raise CheckpointError(
+                f"chunk {c.key!r}: data dtype {c.data.dtype} != declared {c.dtype}"
+            )
         if c.start < 0 or c.start + c.numel > numel_of(shape):
-            raise CheckpointError(f"chunk {c.key!r}: elements [{c.start}, {c.start + c.numel}) "
-                                  f"outside the tensor of shape {shape} ({numel_of(shape)} elements)")
+            raise CheckpointError(
+                f"chunk {c.key!r}: elements [{c.start}, {c.start + c.numel}) "
+                f"outside the tensor of shape {shape} ({numel_of(shape)} elements)"
+            )
         if seen.setdefault(c.key, (shape, c.dtype)) != (shape, c.dtype):
-            raise CheckpointError(f"chunk {c.key!r}: shape/dtype {(shape, c.dtype)} differs from "
-                                  f"another chunk of the same tensor {seen[c.key]}")
+            raise CheckpointError(
+                f"chunk {c.key!r}: shape/dtype {(shape, c.dtype)} differs from "
+                f"another chunk of the same tensor {seen[c.key]}"
+            )
 
 
 def plan(chunks: list[TensorChunk]) -> tuple[list[Placement], int]:
@@ -68,8 +87,12 @@ def plan(chunks: list[TensorChunk]) -> tuple[list[Placement], int]:
     return out, pos
 
 
-def stage(chunks: list[TensorChunk], placements: list[Placement], total: int,
-          staging: Optional[torch.Tensor]) -> torch.Tensor:
+def stage(
+    chunks: list[TensorChunk],
+    placements: list[Placement],
+    total: int,
+    staging: Optional[torch.Tensor],
+) -> torch.Tensor:
     """Copy every chunk into the staging buffer (reused when big enough) and return the buffer.
 
     After this returns the caller may modify its tensors: the save no longer reads them.
@@ -78,7 +101,7 @@ def stage(chunks: list[TensorChunk], placements: list[Placement], total: int,
     if staging is None or staging.numel() < total or staging.is_pinned() != cuda:
         staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=cuda)
     for c, p in zip(chunks, placements):
-        dst = staging[p.offset:p.offset + p.nbytes].view(p.dtype)
+        dst = staging[p.offset : p.offset + p.nbytes].view(p.dtype)
         dst.copy_(c.data.detach(), non_blocking=cuda)
     if cuda:  # the non-blocking device-to-host copies must land before we return
         for dev in {c.data.device for c in chunks if c.data.is_cuda}:
@@ -86,9 +109,16 @@ def stage(chunks: list[TensorChunk], placements: list[Placement], total: int,
     return staging
 
 
-def write_shard(step_dir: Location, step: int, rank: int, world_size: int,
-                placements: list[Placement], total: int, staging: torch.Tensor,
-                block_bytes: int) -> None:
+def write_shard(
+    step_dir: Location,
+    step: int,
+    rank: int,
+    world_size: int,
+    placements: list[Placement],
+    total: int,
+    staging: torch.Tensor,
+    block_bytes: int,
+) -> None:
     """Write this rank's data file (block checksums computed on the way), then its index.
 
     The index is written last, so its presence means the data file is complete; rank 0's commit
@@ -110,13 +140,24 @@ def write_shard(step_dir: Location, step: int, rank: int, world_size: int,
             f.write(b"\0" * (p.offset - pos))
             crcs = []
             for lo in range(p.offset, p.offset + p.nbytes, block_bytes):
-                block = memoryview(buf[lo:min(lo + block_bytes, p.offset + p.nbytes)])
+                block = memoryview(buf[lo : min(lo + block_bytes, p.offset + p.nbytes)])
                 crcs.append(zlib.crc32(block))
                 f.write(block)
             pos = p.offset + p.nbytes
-            rows.append(dict(key=p.key, shape=list(p.shape), dtype=dtype_name(p.dtype),
-                             start=p.start, numel=p.numel, rank=rank, file=data.name,
-                             offset=p.offset, block_bytes=block_bytes, crc32=crcs))
+            rows.append(
+                dict(
+                    key=p.key,
+                    shape=list(p.shape),
+                    dtype=dtype_name(p.dtype),
+                    start=p.start,
+                    numel=p.numel,
+                    rank=rank,
+                    file=data.name,
+                    offset=p.offset,
+                    block_bytes=block_bytes,
+                    crc32=crcs,
+                )
+            )
     storage.fsync(data)
     meta = dict(step=step, rank=rank, world_size=world_size, data_file=data.name, data_size=total)
     storage.write_atomic(index, table_to_bytes(rows_to_table(rows), meta))

@@ -5,6 +5,7 @@ A `Location` is a filesystem plus a path inside it, and remembers how the user s
 's3://bucket/run/step_000000020?endpoint_override=host:9000&scheme=http'). Everything the
 checkpoint code does to storage goes through the few functions here.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """`verify`: read every block of every chunk of a checkpoint and report all problems."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -10,7 +11,7 @@ from trainer.checkpoint import storage
 from trainer.checkpoint.blocks import read_checked
 from trainer.checkpoint.catalog import file_problems, load_rows, read_manifest
 from trainer.checkpoint.commit import coverage_problems
-from trainer.checkpoint.format import ChunkRow, CheckpointError
+from trainer.checkpoint.format import CheckpointError, ChunkRow
 from trainer.checkpoint.storage import Location
 
 WINDOW_BLOCKS = 16
@@ -55,7 +56,7 @@ def _verify_file(loc: Location, name: str, rows: list[ChunkRow]) -> list[str]:
             for lo in range(0, row.nbytes, window):
                 hi = min(lo + window, row.nbytes)
                 try:  # window edges are block edges: everything is read straight into buf
-                    read_checked(f, row, lo, hi, memoryview(buf)[:hi - lo], bytearray(0), str(loc))
+                    read_checked(f, row, lo, hi, memoryview(buf)[: hi - lo], bytearray(0), str(loc))
                 except CheckpointError as e:
                     problems.append(str(e))
                     if "truncated" in str(e):

@@ -1,15 +1,20 @@
 """CheckpointWriter: the training loop's handle for saving, one per rank.
 
-    writer = CheckpointWriter("s3://bucket/run/checkpoints", keep=3)
-    writer.save(step, rank, world, chunks, state, barrier)   # returns once chunks are on the host
+    writer = CheckpointWriter("s3://bucket/run/checkpoints", keep=3, group=pg)
+    writer.save(step, rank, world, chunks, state)   # returns once chunks are on the host
     ...
-    writer.close()                                            # waits, re-raises a failed save
+    writer.close()                                  # waits, re-raises a failed save
 
 The order of one save, on every rank: copy chunks to the host (the loop waits only for this) ->
-[background] write shard file + index -> barrier() -> rank 0: commit (manifest last) -> retention.
+[background] write shard file + index -> barrier -> rank 0: commit (manifest last) -> retention.
 A rank whose write failed still enters the barrier, so the others never hang on it; rank 0 then
 finds its index missing and does not commit.
+
+The barrier runs on `group`, a process group of its own (gloo, so it never interleaves with the
+training's collectives: it runs on the writer's background thread). Tests that simulate ranks as
+threads in one process pass a `barrier` callable to `save` instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,6 +24,7 @@ from typing import Callable, Optional
 
 import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
 
 from trainer.checkpoint import shard, storage
 from trainer.checkpoint.commit import commit
@@ -30,20 +36,32 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointWriter:
-    def __init__(self, root: str, keep: int = 3, async_save: bool = True,
-                 filesystem: Optional[pafs.FileSystem] = None, block_bytes: int = BLOCK_BYTES):
+    def __init__(
+        self,
+        root: str,
+        keep: int = 3,
+        async_save: bool = True,
+        filesystem: Optional[pafs.FileSystem] = None,
+        block_bytes: int = BLOCK_BYTES,
+        group: Optional[dist.ProcessGroup] = None,
+    ):
         """`root`: a local path or a pyarrow.fs URI (or a path inside `filesystem`); checkpoints
         go to f"{root}/step_{step:09d}". `keep`: committed checkpoints kept by rank 0.
-        `block_bytes`: checksum block size (tests use small blocks)."""
+        `block_bytes`: checksum block size (tests use small blocks). `group`: the process group
+        whose ranks save together (their barrier precedes the commit); None with one rank."""
         if keep < 1:
             raise CheckpointError(f"CheckpointWriter keep={keep!r}; valid: an integer >= 1")
         if block_bytes <= 0 or block_bytes % 8:
-            raise CheckpointError(f"CheckpointWriter block_bytes={block_bytes!r}; valid: a "
-                                  "positive multiple of 8")
+            raise CheckpointError(
+                f"CheckpointWriter block_bytes={block_bytes!r}; valid: a positive multiple of 8"
+            )
         self.root: Location = storage.resolve(root, filesystem)
         self._filesystem = filesystem
+        self._group = group
         self.keep, self.async_save, self.block_bytes = keep, async_save, block_bytes
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-save") if async_save else None
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="ckpt-save") if async_save else None
+        )
         self._pending: Optional[tuple[Future, str]] = None
         self._last_path: Optional[str] = None
         self._protected: set[str] = set()
@@ -52,12 +70,20 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------ public
 
-    def save(self, step: int, rank: int, world_size: int, chunks: list[TensorChunk],
-             state: dict, barrier: Callable[[], None]) -> None:
+    def save(
+        self,
+        step: int,
+        rank: int,
+        world_size: int,
+        chunks: list[TensorChunk],
+        state: dict,
+        barrier: Optional[Callable[[], None]] = None,
+    ) -> None:
         """Save this rank's chunks of checkpoint `step`; see the module docstring for the order.
 
         Blocks until the previous save finished (re-raising its failure) and the chunks are
         copied to host memory. `state` (JSON-able) is taken from rank 0 into the manifest.
+        `barrier`: how the ranks meet before the commit; default: a barrier on `group`.
         """
         if self._closed:
             raise CheckpointError("CheckpointWriter.save() after close()")
@@ -67,7 +93,18 @@ class CheckpointWriter:
         placements, total = shard.plan(chunks)
         self._staging = shard.stage(chunks, placements, total, self._staging)
         desc = f"step {step} (rank {rank} of {world_size}) to {step_dir}"
-        job = (step_dir, step, rank, world_size, placements, total, self._staging, state_copy, barrier)
+        barrier = barrier or self._group_barrier(world_size)
+        job = (
+            step_dir,
+            step,
+            rank,
+            world_size,
+            placements,
+            total,
+            self._staging,
+            state_copy,
+            barrier,
+        )
         if self._executor is None:
             self._last_path = _reraise(desc, lambda: self._write(*job))
             return
@@ -83,6 +120,10 @@ class CheckpointWriter:
             fut, desc = pending
             self._last_path = _reraise(desc, fut.result)
         return self._last_path
+
+    def in_flight(self) -> bool:
+        """A save was started and has not finished on this rank (never blocks)."""
+        return self._pending is not None and not self._pending[0].done()
 
     def protect(self, path: str) -> None:
         """Never delete this checkpoint (the one the run resumed from), nor save over it."""
@@ -107,6 +148,17 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------ internals
 
+    def _group_barrier(self, world_size: int) -> Callable[[], None]:
+        if world_size == 1:
+            return lambda: None
+        if self._group is None:
+            raise CheckpointError(
+                f"CheckpointWriter: {world_size} ranks save together but no "
+                "process group was given (group=...)"
+            )
+        group = self._group
+        return lambda: dist.barrier(group=group)
+
     def _check_args(self, step, rank, world_size, chunks) -> Location:
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"save step={step!r}; valid: an integer >= 0")
@@ -117,16 +169,20 @@ class CheckpointWriter:
         shard.validate_chunks(chunks)
         step_dir = self.root.child(step_dir_name(step))
         if step_dir.path in self._protected:
-            raise CheckpointError(f"refusing to save step {step} over {step_dir}: it is the "
-                                  "protected checkpoint this run resumed from")
+            raise CheckpointError(
+                f"refusing to save step {step} over {step_dir}: it is the "
+                "protected checkpoint this run resumed from"
+            )
         return step_dir
 
-    def _write(self, step_dir, step, rank, world_size, placements, total, staging, state,
-               barrier) -> str:
+    def _write(
+        self, step_dir, step, rank, world_size, placements, total, staging, state, barrier
+    ) -> str:
         error = None
         try:
-            shard.write_shard(step_dir, step, rank, world_size, placements, total, staging,
-                              self.block_bytes)
+            shard.write_shard(
+                step_dir, step, rank, world_size, placements, total, staging, self.block_bytes
+            )
         except BaseException as e:  # still enter the barrier: the other ranks wait for us
             error = e
         barrier()
@@ -142,9 +198,9 @@ class CheckpointWriter:
         try:
             apply_retention(self.root, self.keep, step, self._protected)
         except OSError as e:
-            log.warning("checkpoint retention under %s failed (nothing committed is lost): %s",
-                        self.root, e)
-
+            log.warning(
+                "checkpoint retention under %s failed (nothing committed is lost): %s", self.root, e
+            )
 
 
 def _reraise(desc: str, fn: Callable[[], str]) -> str:
@@ -167,5 +223,7 @@ def _json_copy(state: dict) -> dict:
     try:
         return json.loads(json.dumps(state))
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint state must be JSON-able (encode tensors/bytes, e.g. "
-                              f"RNG states, as base64 strings): {e}") from e
+        raise CheckpointError(
+            f"checkpoint state must be JSON-able (encode tensors/bytes, e.g. "
+            f"RNG states, as base64 strings): {e}"
+        ) from e

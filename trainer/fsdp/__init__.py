@@ -1,11 +1,37 @@
-"""Our fully sharded data parallel engine. It imports torch only; no third-party sharding library."""
-from trainer.config import ShardingStrategy
+"""Our fully sharded data parallel engine. It imports torch only; no third-party sharding library.
+
+    mesh = build_mesh(sharding, rank, world_size, local_world_size)
+    fsdp = parallelize(model, sharding, mesh, device, init_fn=...)
+
+config.py (ShardingConfig and its enums), parallelize.py (the one way to build the engine),
+engine.py (the hooks), unit.py (a unit's storage and lifecycle), scheduler.py (order and
+prefetch), reducer.py (reductions in flight), wrap.py (units from a policy, flattening,
+materialisation), flat_param.py, collectives.py, mesh.py, mixed_precision.py, accounting.py,
+state.py (named element ranges for checkpoints, whole tensors for tests).
+"""
 
 from .accounting import Accounting
-from .engine import FSDPModel, block_policy
+from .config import ConfigError, DType, ShardingConfig, ShardingStrategy
+from .engine import FSDPModel
 from .flat_param import FlatParameter
-from .mesh import ShardMesh, build_mesh
+from .mesh import ShardMesh, build_mesh, virtual_mesh
+from .parallelize import parallelize
 from .unit import FSDPUnit, TrainingState
+from .wrap import block_policy
 
-__all__ = ["Accounting", "FSDPModel", "FSDPUnit", "FlatParameter", "ShardMesh", "ShardingStrategy",
-           "TrainingState", "block_policy", "build_mesh"]
+__all__ = [
+    "Accounting",
+    "ConfigError",
+    "DType",
+    "FSDPModel",
+    "FSDPUnit",
+    "FlatParameter",
+    "ShardMesh",
+    "ShardingConfig",
+    "ShardingStrategy",
+    "TrainingState",
+    "block_policy",
+    "build_mesh",
+    "parallelize",
+    "virtual_mesh",
+]

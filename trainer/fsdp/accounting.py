@@ -5,14 +5,20 @@ Network bytes are what one rank sends (= receives) under ring algorithms, the co
 ZeRO paper: all-gather of an output of T bytes over N ranks moves T*(N-1)/N, reduce-scatter of an
 input of T bytes moves T*(N-1)/N, all-reduce of T bytes moves 2*T*(N-1)/N.
 """
+
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-
-MEMORY_KINDS = ("sharded_params", "sharded_grads", "optim_state", "gathered_params", "unsharded_grads")
+MEMORY_KINDS = (
+    "sharded_params",
+    "sharded_grads",
+    "optim_state",
+    "gathered_params",
+    "unsharded_grads",
+)
 
 
 @dataclass

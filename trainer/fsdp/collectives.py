@@ -5,6 +5,7 @@ caller computes. CUDA (NCCL): each kind runs on its own stream. The issuing stre
 visible to the collective stream with wait_stream; the consumer waits on an event recorded after the
 collective, never on record_stream, so a buffer is freed exactly when its event says it may be.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from .accounting import Accounting
-
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -47,7 +47,10 @@ class Collectives:
         self.acct = acct
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.streams = {op: torch.cuda.Stream(device) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+            self.streams = {
+                op: torch.cuda.Stream(device)
+                for op in ("all_gather", "reduce_scatter", "all_reduce")
+            }
 
     def _issue(self, op: str, unit: str, fn, payload_bytes: int, group_size: int, keep) -> Handle:
         self.acct.record_comm(op, payload_bytes, group_size)
@@ -62,15 +65,22 @@ class Collectives:
             event.record(stream)
         return Handle(self.acct, op, unit, event=event, keep=keep)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, size: int, unit: str) -> Handle:
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, group, size: int, unit: str
+    ) -> Handle:
         fn = lambda a: _all_gather(out, inp, group=group, async_op=a)
         return self._issue("all_gather", unit, fn, out.numel() * out.element_size(), size, (inp,))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, size: int, unit: str) -> Handle:
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, group, size: int, unit: str
+    ) -> Handle:
         fn = lambda a: _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a)
-        return self._issue("reduce_scatter", unit, fn, inp.numel() * inp.element_size(), size, (inp,))
+        return self._issue(
+            "reduce_scatter", unit, fn, inp.numel() * inp.element_size(), size, (inp,)
+        )
 
-    def all_reduce(self, t: torch.Tensor, group, size: int, unit: str,
-                   op: Optional[dist.ReduceOp] = None) -> Handle:
+    def all_reduce(
+        self, t: torch.Tensor, group, size: int, unit: str, op: Optional[dist.ReduceOp] = None
+    ) -> Handle:
         fn = lambda a: dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=a)
         return self._issue("all_reduce", unit, fn, t.numel() * t.element_size(), size, ())

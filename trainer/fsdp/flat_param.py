@@ -10,6 +10,7 @@ parameters are contiguous regions, a rank's shard meets each region in at most o
 optimizer sees at most two tensors per FlatParameter (views into the one shard), with and without
 weight decay. Padding lies past the last parameter and always holds zeros (values and gradients).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,14 +40,22 @@ class FlatParameter:
     parameters on this rank (everything gathered is a temporary in the compute dtype).
     """
 
-    def __init__(self, infos: list[ParamInfo], shard_size: int, shard_rank: int, requires_grad: bool,
-                 device: torch.device):
+    def __init__(
+        self,
+        infos: list[ParamInfo],
+        shard_size: int,
+        shard_rank: int,
+        requires_grad: bool,
+        device: torch.device,
+    ):
         self.infos = infos
         self.requires_grad = requires_grad
         self.numel = sum(i.numel for i in infos)
         self.decay_end = sum(i.numel for i in infos if i.decay)
         self.shard_size, self.shard_rank = shard_size, shard_rank
-        self.padded_numel = math.ceil(self.numel / shard_size) * shard_size if self.numel else shard_size
+        self.padded_numel = (
+            math.ceil(self.numel / shard_size) * shard_size if self.numel else shard_size
+        )
         self.shard_numel = self.padded_numel // shard_size
         self.lo = shard_rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
@@ -57,7 +66,8 @@ class FlatParameter:
 
     # ---- ranges ------------------------------------------------------------------------
     def local_pieces(self):
-        """For each original parameter meeting this shard: (info, start in param, count, offset in shard)."""
+        """For each original parameter meeting this shard:
+        (info, start in param, count, offset in shard)."""
         for info in self.infos:
             a, b = max(info.offset, self.lo), min(info.offset + info.numel, self.hi)
             if a < b:
@@ -69,24 +79,24 @@ class FlatParameter:
         return max(0, min(self.numel, self.hi) - self.lo)
 
     def _optimizer_views(self) -> list[tuple[torch.nn.Parameter, bool, int]]:
-        """(parameter view into the shard, has weight decay, offset in shard) for each region met."""
+        """(view into the shard, has weight decay, offset in shard) for each region met."""
         views = []
         for a, b, decay in ((0, self.decay_end, True), (self.decay_end, self.numel, False)):
             a, b = max(a, self.lo), min(b, self.hi)
             if a < b:
-                p = torch.nn.Parameter(self.shard[a - self.lo:b - self.lo], requires_grad=True)
+                p = torch.nn.Parameter(self.shard[a - self.lo : b - self.lo], requires_grad=True)
                 views.append((p, decay, a - self.lo))
         return views
 
     def attach_grad_views(self) -> None:
         """Point each optimizer view's .grad at its slice of the fp32 gradient shard."""
         for p, _, off in self.opt_params:
-            p.grad = None if self.grad is None else self.grad[off:off + p.numel()]
+            p.grad = None if self.grad is None else self.grad[off : off + p.numel()]
 
     # ---- flattening --------------------------------------------------------------------
     def split_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of an unsharded flat tensor shaped as the original parameters (one autograd node)."""
+        """Views of an unsharded flat tensor shaped as the original parameters (one autograd
+        node)."""
         sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
         pieces = torch.split(flat, sizes)
         return [p.view(i.shape) for p, i in zip(pieces, self.infos)]
-

@@ -5,6 +5,7 @@ slice of the gradient, so an inf/nan found on one rank must skip the step on all
 is a MAX all-reduce of one flag over the whole world. bf16 and fp32 need no scaler (enabled=False
 makes every method a no-op that still returns sensible values).
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,11 +13,21 @@ import torch.distributed as dist
 
 
 class ShardedGradScaler:
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+    def __init__(
+        self,
+        enabled: bool,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_factor, self.backoff_factor, self.growth_interval = (
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+        )
         self._good_steps = 0
         self.skipped_steps = 0
 
@@ -24,7 +35,8 @@ class ShardedGradScaler:
         return loss * self.scale if self.enabled else loss
 
     def unscale_and_check(self, grads: list[torch.Tensor], world_size: int) -> bool:
-        """Divide the local gradient shards by the scale; True if any rank saw inf/nan (skip the step)."""
+        """Divide the local gradient shards by the scale; True if any rank saw inf/nan (skip the
+        step)."""
         if not self.enabled:
             return False
         device = grads[0].device if grads else torch.device("cpu")
@@ -50,7 +62,11 @@ class ShardedGradScaler:
             self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "good_steps": self._good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

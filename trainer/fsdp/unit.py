@@ -1,5 +1,14 @@
-"""One FSDP unit: a module whose parameters live in FlatParameters, with unshard / reshard and the
-gradient hook that launches the reduction the moment the unit's gradients are complete.
+"""One FSDP unit: a module whose parameters live in FlatParameters. The unit owns its storage
+(unshard / reshard) and its own lifecycle: each transition below is a method of the unit that
+checks the state it starts from, so a hook that fires in the wrong state fails loudly instead of
+corrupting gradients. The engine (engine.py) decides when to call them and what to prefetch.
+
+    IDLE --begin_iteration--> FORWARD --pre_forward/post_forward--> FORWARD
+         --pre_backward--> BACKWARD_PRE --(its flat gradients complete)--> BACKWARD_POST
+         --end_iteration--> IDLE
+
+The moment a flat's gradient is complete (autograd's post-accumulate-grad hook) the unit hands
+it to the reducer (reducer.py), or keeps it for gradient accumulation under no_sync.
 
 Storage invariants (checked by the accounting tests):
 - Between steps a unit holds only fp32 shards (`flat.shard`) and fp32 gradient shards.
@@ -9,10 +18,11 @@ Storage invariants (checked by the accounting tests):
 - `_full[i]` shares `_buf[i]`'s storage but has its own version counter (set through `.data`):
   writing a new gather into `_buf` does not invalidate tensors autograd saved in forward.
 """
+
 from __future__ import annotations
 
 import enum
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -20,6 +30,9 @@ from .accounting import Accounting
 from .collectives import Collectives, Handle
 from .flat_param import FlatParameter
 from .mesh import ShardMesh
+
+if TYPE_CHECKING:
+    from .reducer import Reducer
 
 
 class TrainingState(enum.Enum):
@@ -38,9 +51,19 @@ def _alloc_storage(t: torch.Tensor) -> None:
 
 
 class FSDPUnit:
-    def __init__(self, name: str, module: torch.nn.Module, flats: list[FlatParameter],
-                 owners: dict[str, torch.nn.Module], mesh: ShardMesh, comm: Collectives, acct: Accounting,
-                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: bool):
+    def __init__(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        flats: list[FlatParameter],
+        owners: dict[str, torch.nn.Module],
+        mesh: ShardMesh,
+        comm: Collectives,
+        acct: Accounting,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        reshard_after_forward: bool,
+    ):
         self.name, self.module, self.flats, self.owners = name, module, flats, owners
         self.mesh, self.comm, self.acct = mesh, comm, acct
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -64,7 +87,9 @@ class FSDPUnit:
             self._buf.append(buf)
             self._full.append(full)
         self.no_sync = False
-        self.on_grad_ready: Optional[Callable[["FSDPUnit", int, torch.Tensor], None]] = None
+        self.reducer: Optional[Reducer] = (
+            None  # set by the engine: takes each complete flat gradient
+        )
         self._grad_accum: list[Optional[torch.Tensor]] = [None] * len(flats)
         self._grads_seen: set[int] = set()
         self.pre_backward_done = False
@@ -72,10 +97,53 @@ class FSDPUnit:
             if full.requires_grad:
                 full.register_post_accumulate_grad_hook(lambda t, i=i: self._post_accumulate(i))
 
+    # ---- lifecycle -----------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        """A forward of the whole model starts (each micro-batch is one iteration)."""
+        self._grads_seen.clear()
+        self.pre_backward_done = False
+        self.state = TrainingState.FORWARD
+
+    def pre_forward(self, prefetch: Callable[[], None]) -> None:
+        """Before this unit's forward: its parameters gathered and in place as views. `prefetch`
+        (the engine's) runs after this unit's own gather is waited for, before compute starts."""
+        assert self.state is TrainingState.FORWARD, f"{self.name}: forward in state {self.state}"
+        self.wait_gather()
+        self.use_views()
+        prefetch()
+        self.acct.event("compute_start", "forward", self.name)
+
+    def post_forward(self) -> None:
+        """After this unit's forward: free the gathered parameters if it reshards after forward."""
+        self.acct.event("compute_end", "forward", self.name)
+        if self.reshard_after_forward:
+            self.reshard()
+
+    def pre_backward(self, prefetch: Callable[[], None]) -> bool:
+        """The gradient of this unit's output arrived: gather for its backward (once per iteration;
+        False if already done). `prefetch` runs once this unit's own gather is waited for."""
+        if self.pre_backward_done:
+            return False
+        assert self.state is TrainingState.FORWARD, f"{self.name}: backward in state {self.state}"
+        self.pre_backward_done = True
+        self.state = TrainingState.BACKWARD_PRE
+        self.wait_gather()
+        prefetch()
+        self.acct.event("compute_start", "backward", self.name)
+        return True
+
+    def end_iteration(self) -> None:
+        """Backward is over (or a forward ran without gradients): back to the fp32 shards only."""
+        self.reshard()
+        self.state = TrainingState.IDLE
+
     # ---- sizes ---------------------------------------------------------------------------
     @property
     def gathered_bytes(self) -> int:
-        return sum(f.padded_numel for f in self.flats) * torch.empty(0, dtype=self.param_dtype).element_size()
+        return (
+            sum(f.padded_numel for f in self.flats)
+            * torch.empty(0, dtype=self.param_dtype).element_size()
+        )
 
     # ---- unshard / reshard ------------------------------------------------------------
     def issue_gather(self) -> None:
@@ -89,13 +157,20 @@ class FSDPUnit:
         for flat, buf in zip(self.flats, self._buf):
             _alloc_storage(buf)
             # Cast before the gather: a bf16 gather moves half the bytes of an fp32 one.
-            src = flat.shard if flat.shard.dtype == self.param_dtype else flat.shard.to(self.param_dtype)
+            src = (
+                flat.shard
+                if flat.shard.dtype == self.param_dtype
+                else flat.shard.to(self.param_dtype)
+            )
             if self.mesh.shard_size == 1:
                 buf.copy_(src)
                 self.gathered = True
             else:
-                self._gather.append(self.comm.all_gather(buf, src, self.mesh.shard_group,
-                                                         self.mesh.shard_size, self.name))
+                self._gather.append(
+                    self.comm.all_gather(
+                        buf, src, self.mesh.shard_group, self.mesh.shard_size, self.name
+                    )
+                )
 
     def wait_gather(self) -> None:
         self.issue_gather()
@@ -134,7 +209,8 @@ class FSDPUnit:
     def _post_accumulate(self, i: int) -> None:
         """All of flat i's gradients are in `_full[i].grad`: accumulate (no_sync) or reduce now."""
         assert self.state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST), (
-            f"{self.name}: gradient hook fired in state {self.state}")
+            f"{self.name}: gradient hook fired in state {self.state}"
+        )
         self.state = TrainingState.BACKWARD_POST
         full = self._full[i]
         g = full.grad
@@ -149,14 +225,9 @@ class FSDPUnit:
             self.acct.alloc("unsharded_grads", acc.numel() * acc.element_size())
             self._grad_accum[i] = acc
         else:
-            self.on_grad_ready(self, i, g)
+            self.reducer.reduce(self, i, g)
         self._grads_seen.add(i)
         if len(self._grads_seen) == sum(f.requires_grad for f in self.flats):
             self.acct.event("compute_end", "backward", self.name)
             if self.reshard_after_forward:
                 self.reshard()
-
-    def reset_iteration(self) -> None:
-        self._grads_seen.clear()
-        self.pre_backward_done = False
-        self.state = TrainingState.IDLE

@@ -1,12 +1,18 @@
 """Memory planner: one worker's memory for any model, strategy and cluster size, without allocating.
 
-    python -m trainer.plan model=8b sharding=full_shard cluster.num_workers=64 device_memory_gb=80
+    from trainer.plan import plan, check_fits
+    print(plan(cfg, world_size=64, device_memory_bytes=80 * 2**30).table())
+
+    # from the command line, on the Hydra job config (the CLI lives in the Ray layer):
+    python -m cluster.plan model=8b sharding=full_shard cluster.num_workers=64 \
+        train.global_batch_size=64 device_memory_gb=80
 
 Exact state terms from the engine wrapped on the meta device (layout.py), activations measured by
 tracing one block and the root on fake tensors (activations.py), the step's phases from the
 engine's schedule (timeline.py), the bytes on the wire from its accounting (traffic.py), the ZeRO
 paper's formulas for comparison (zero.py).
 """
+
 from .activations import ActivationProfile, profile
 from .layout import Layout, layout
 from .planner import MemoryPlan, candidates, check_fits, plan, recommend, rows_per_micro_batch
@@ -15,6 +21,20 @@ from .timeline import Phase, StepTimeline
 from .traffic import bytes_per_step
 from .zero import zero_stage_bytes
 
-__all__ = ["ActivationProfile", "Layout", "MemoryPlan", "Phase", "StepTimeline", "bytes_per_step", "candidates",
-           "check_fits", "format_recommendation", "layout", "plan", "profile", "recommend",
-           "rows_per_micro_batch", "zero_stage_bytes"]
+__all__ = [
+    "ActivationProfile",
+    "Layout",
+    "MemoryPlan",
+    "Phase",
+    "StepTimeline",
+    "bytes_per_step",
+    "candidates",
+    "check_fits",
+    "format_recommendation",
+    "layout",
+    "plan",
+    "profile",
+    "recommend",
+    "rows_per_micro_batch",
+    "zero_stage_bytes",
+]

@@ -21,6 +21,7 @@ Fake tensors take their kernels from the CPU: scaled_dot_product_attention picks
 kernel, which saves the output and the log-sum-exp (O(T)), as the CUDA flash and memory-efficient
 kernels do. CUDA's own workspaces (cuBLAS, NCCL) are not seen.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,11 +34,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
-from trainer.fsdp.engine import DTYPES
+from trainer.config import DType, ModelConfig, ShardingConfig
+from trainer.fsdp import virtual_mesh
 from trainer.model import loss_sum
 
-from .layout import meta_engine, virtual_mesh
+from .layout import meta_engine
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,11 @@ class BlockProfile:
 @dataclass(frozen=True)
 class RootProfile:
     forward_peak: int
-    """Peak of the embedding + head forward (the head's input included): logits, fp32 copy, log-probs."""
+    """Peak of the embedding + head forward (the head's input included): logits, fp32 copy,
+    log-probs."""
     retained: int
-    """What the head leaves for backward (its input if saved, the fp32 log-probabilities, the loss)."""
+    """What the head leaves for backward (its input if saved, the fp32 log-probabilities, the
+    loss)."""
     head_backward_peak: int
     """Peak of the loss + head backward."""
     after_head: int
@@ -89,7 +92,11 @@ class AllocationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+        inputs = {
+            t.untyped_storage()._cdata
+            for t in tree_flatten((args, kwargs))[0]
+            if torch.is_tensor(t)
+        }
         for t in tree_flatten(out)[0]:
             if torch.is_tensor(t):
                 self._track(t.untyped_storage(), inputs)
@@ -113,18 +120,24 @@ class AllocationTracker(TorchDispatchMode):
         return peak
 
 
-def profile(model: ModelConfig, rows: int, seq_len: int, param_dtype: str, checkpointing: bool) -> ActivationProfile:
+def profile(
+    model: ModelConfig, rows: int, seq_len: int, param_dtype: str, checkpointing: bool
+) -> ActivationProfile:
     """Measure one block and the root for micro-batches of `rows` sequences of `seq_len` tokens."""
     key = tuple(sorted(dataclasses.asdict(model).items()))
     return _profile(key, rows, seq_len, param_dtype, checkpointing)
 
 
 @lru_cache(maxsize=32)
-def _profile(model_key, rows: int, seq_len: int, param_dtype: str, checkpointing: bool) -> ActivationProfile:
+def _profile(
+    model_key, rows: int, seq_len: int, param_dtype: str, checkpointing: bool
+) -> ActivationProfile:
     model = ModelConfig(**dict(model_key))
-    sharding = ShardingConfig(strategy="NO_SHARD", param_dtype=param_dtype, activation_checkpointing=checkpointing)
-    fsdp = meta_engine(model, sharding, virtual_mesh(ShardingStrategy.NO_SHARD, 0, 1, 0, 1))
-    dtype = DTYPES[param_dtype]
+    sharding = ShardingConfig(
+        strategy="NO_SHARD", param_dtype=param_dtype, activation_checkpointing=checkpointing
+    )
+    fsdp = meta_engine(model, sharding, virtual_mesh(sharding, 0, 1))
+    dtype = DType.parse(param_dtype, "sharding.param_dtype").torch
     with FakeTensorMode():
         _warm_rotary(fsdp.units[0].module, seq_len, dtype)
         block = _trace_block(fsdp.units[0], rows, seq_len, model.dim, dtype)
@@ -148,7 +161,8 @@ def _bind_flat_views(unit, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def _warm_rotary(block: torch.nn.Module, seq_len: int, dtype: torch.dtype) -> None:
-    """The rotary tables are a small cache computed once per run; keep them out of the measurement."""
+    """The rotary tables are a small cache computed once per run; keep them out of the
+    measurement."""
     block.attention.rotary.tables(seq_len, torch.device("cpu"), dtype)
 
 
@@ -187,7 +201,9 @@ def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype) -> RootProfil
     marks: dict[str, int] = {}
     tracker = AllocationTracker()
 
-    def at_head_end(grad):  # the gradient reaching the embedding output: the head's backward is done
+    def at_head_end(
+        grad,
+    ):  # the gradient reaching the embedding output: the head's backward is done
         marks.update(peak=tracker.restart_peak(), after=tracker.current)
 
     def mark_embedding_output(module, args, out) -> None:

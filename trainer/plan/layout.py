@@ -1,15 +1,16 @@
 """The exact per-worker layout: the engine itself, wrapped on the meta device over a virtual mesh.
 
-Nothing is re-derived here. `FSDPModel` builds its units (one per block + the root), flattens and
-pads every FlatParameter to a multiple of the shard-group size and creates the optimizer views,
-all on the meta device, so the 8B model costs a fraction of a second (after torch's one-time
-imports) and no memory. We then read
-the engine's own numbers: the `sharded_params` it accounts at construction, each flat's
-`shard_numel` / `padded_numel`, each unit's `gathered_bytes` and `alias`, and the optimizer views
-(AdamW keeps exp_avg and exp_avg_sq, fp32, for exactly those elements: padding has no state).
+Nothing is re-derived here. `parallelize` builds the engine's units (one per block + the root),
+flattens and pads every FlatParameter to a multiple of the shard-group size and creates the
+optimizer views, all on the meta device, so the 8B model costs a fraction of a second (after
+torch's one-time imports) and no memory. We then read the engine's own numbers: the
+`sharded_params` it accounts at construction, each flat's `shard_numel` / `padded_numel`, each
+unit's `gathered_bytes` and `alias`, and the optimizer views (AdamW keeps exp_avg and
+exp_avg_sq, fp32, for exactly those elements: padding has no state).
 
 The virtual mesh has no process groups: nothing communicates at construction.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,13 +20,12 @@ from functools import lru_cache
 import torch
 
 from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
-from trainer.fsdp import FSDPModel
-from trainer.fsdp.engine import DTYPES
-from trainer.fsdp.mesh import ShardMesh, mesh_shape
+from trainer.fsdp import FSDPModel, ShardMesh, parallelize, virtual_mesh
 from trainer.model import build_model
 
-ADAM_STATES = 2  # exp_avg, exp_avg_sq: one per element of each optimizer view (the step is a scalar)
-DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+ADAM_STATES = (
+    2  # exp_avg, exp_avg_sq: one per element of each optimizer view (the step is a scalar)
+)
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,13 @@ class UnitLayout:
     padded: tuple[int, ...]  # padded_numel of each FlatParameter
     shard: tuple[int, ...]  # shard_numel of each FlatParameter (same on every rank)
     trainable: tuple[bool, ...]  # requires_grad of each FlatParameter
-    gathered_bytes: int  # the unsharded compute-dtype buffers while gathered (0 if the shard is aliased)
+    gathered_bytes: (
+        int  # the unsharded compute-dtype buffers while gathered (0 if the shard is aliased)
+    )
     opt_numel: int  # elements this rank keeps optimizer state for (real elements only, no padding)
-    largest_opt_view: int  # largest single optimizer view on this rank (AdamW temporaries scale with it)
+    largest_opt_view: (
+        int  # largest single optimizer view on this rank (AdamW temporaries scale with it)
+    )
 
 
 @dataclass(frozen=True)
@@ -60,23 +64,33 @@ class Layout:
         return (self.root, *self.blocks)
 
 
-def virtual_mesh(strategy: ShardingStrategy, rank: int, world_size: int, hybrid_size: int,
-                 local_world_size: int) -> ShardMesh:
-    shard, rep = mesh_shape(strategy, world_size, hybrid_size, local_world_size)
-    return ShardMesh(rank, world_size, shard, rank % shard, None, rep, rank // shard, None)
-
-
 def meta_engine(model: ModelConfig, sharding: ShardingConfig, mesh: ShardMesh) -> FSDPModel:
     """The engine wrapped around a meta model; parameters are never materialised or initialised."""
     sharding = dataclasses.replace(sharding, trace=False)
-    return FSDPModel(build_model(model, device="meta"), sharding, mesh, torch.device("meta"),
-                     init_fn=lambda module, prefix: None)
+    return parallelize(
+        build_model(model, device="meta"),
+        sharding,
+        mesh,
+        torch.device("meta"),
+        init_fn=lambda module, prefix: None,
+    )
 
 
-def layout(model: ModelConfig, sharding: ShardingConfig, world_size: int, local_world_size: int = 8,
-           rank: int = 0) -> Layout:
-    """The layout of `rank` (rank 0 holds the most optimizer state: later ranks hold the padding)."""
-    key = (_frozen(model), sharding.strategy, sharding.param_dtype, sharding.hybrid_shard_group_size)
+def layout(
+    model: ModelConfig,
+    sharding: ShardingConfig,
+    world_size: int,
+    local_world_size: int = 8,
+    rank: int = 0,
+) -> Layout:
+    """The layout of `rank` (rank 0 holds the most optimizer state: later ranks hold the
+    padding)."""
+    key = (
+        _frozen(model),
+        sharding.strategy,
+        sharding.param_dtype,
+        sharding.hybrid_shard_group_size,
+    )
     return _layout(key, world_size, local_world_size, rank)
 
 
@@ -84,19 +98,30 @@ def layout(model: ModelConfig, sharding: ShardingConfig, world_size: int, local_
 def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
     model_fields, strategy, param_dtype, hybrid = key
     model = ModelConfig(**dict(model_fields))
-    sharding = ShardingConfig(strategy=strategy, param_dtype=param_dtype, hybrid_shard_group_size=hybrid)
-    strat = ShardingStrategy.parse(strategy)
-    mesh = virtual_mesh(strat, rank, world_size, hybrid, local_world_size)
+    sharding = ShardingConfig(
+        strategy=strategy, param_dtype=param_dtype, hybrid_shard_group_size=hybrid
+    )
+    mesh = virtual_mesh(sharding, rank, world_size, local_world_size)
     fsdp = meta_engine(model, sharding, mesh)
     units = [_unit(u) for u in fsdp.all_units()]
     flats = list(fsdp.flats())
     return Layout(
-        strategy=strat, world_size=world_size, shard_size=mesh.shard_size, replicate_size=mesh.replicate_size,
-        rank=rank, num_params=fsdp.num_params(), root=units[0], blocks=tuple(units[1:]),
+        strategy=sharding.strategy,
+        world_size=world_size,
+        shard_size=mesh.shard_size,
+        replicate_size=mesh.replicate_size,
+        rank=rank,
+        num_params=fsdp.num_params(),
+        root=units[0],
+        blocks=tuple(units[1:]),
         sharded_params=fsdp.acct.live["sharded_params"],
         # the fp32 gradient shard is allocated like the parameter shard, at the first reduction
-        sharded_grads=sum(f.shard.numel() * f.shard.element_size() for f in flats if f.requires_grad),
-        optim_state=sum(ADAM_STATES * p.numel() * p.element_size() for f in flats for p, _, _ in f.opt_params),
+        sharded_grads=sum(
+            f.shard.numel() * f.shard.element_size() for f in flats if f.requires_grad
+        ),
+        optim_state=sum(
+            ADAM_STATES * p.numel() * p.element_size() for f in flats for p, _, _ in f.opt_params
+        ),
     )
 
 

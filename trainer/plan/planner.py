@@ -10,17 +10,20 @@ The state terms are the engine's own (layout.py), activations are measured on fa
 (activations.py), the step's phases follow the engine's schedule (timeline.py) and the bytes on
 the wire replay its accounting (traffic.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
 
-from trainer.config import ConfigError, JobConfig, ShardingStrategy
+from trainer.config import ConfigError, ShardingStrategy, TrainerConfig
 from trainer.data import rank_range
+from trainer.fsdp.mesh import mesh_shape
 
 from .activations import profile
-from .layout import layout, mesh_shape
+from .layout import layout
+from .report import format_plan, format_recommendation
 from .timeline import Phase, StepTimeline, step_timeline
 from .traffic import bytes_per_step
 
@@ -82,20 +85,26 @@ class MemoryPlan:
         return f"{self.strategy} {ckpt} activation checkpointing"
 
     def table(self) -> str:
-        from .report import format_plan
-
         return format_plan(self)
 
 
-def rows_per_micro_batch(global_batch: int, world_size: int, micro_batches: int, rank: int = 0) -> int:
+def rows_per_micro_batch(
+    global_batch: int, world_size: int, micro_batches: int, rank: int = 0
+) -> int:
     """Sequences in `rank`'s largest micro-batch, as trainer.data.Batcher splits a step: the rank's
-    share (rank 0 takes one more when uneven) by np.array_split; an empty split runs one sequence."""
+    share (rank 0 takes one more when uneven) by np.array_split; an empty split runs one
+    sequence."""
     lo, hi = rank_range(global_batch, world_size, rank)
     return max(1, math.ceil((hi - lo) / micro_batches))
 
 
-def plan(cfg: JobConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8,
-         rank: int = 0) -> MemoryPlan:
+def plan(
+    cfg: TrainerConfig,
+    world_size: int,
+    device_memory_bytes: int,
+    local_world_size: int = 8,
+    rank: int = 0,
+) -> MemoryPlan:
     """Per-worker memory of `cfg` on `world_size` workers of `device_memory_bytes` each.
 
     local_world_size is the number of workers per node (HYBRID_SHARD's default shard group)."""
@@ -109,63 +118,96 @@ def plan(cfg: JobConfig, world_size: int, device_memory_bytes: int, local_world_
     timelines = {ac: step_timeline(lay, sh, a, micro) for ac, a in acts.items()}
     timeline = timelines[bool(sh.activation_checkpointing)]
     return MemoryPlan(
-        model=model.name, num_params=lay.num_params, num_units=len(lay.units),
-        strategy=lay.strategy.value, world_size=world_size, shard_size=lay.shard_size,
-        replicate_size=lay.replicate_size, param_dtype=sh.param_dtype, reduce_dtype=sh.reduce_dtype,
-        activation_checkpointing=bool(sh.activation_checkpointing), rows=rows, seq_len=cfg.data.seq_len,
-        micro_batches=micro, sharded_params=lay.sharded_params, sharded_grads=lay.sharded_grads,
-        optim_state=lay.optim_state, timeline=timeline,
+        model=model.name,
+        num_params=lay.num_params,
+        num_units=len(lay.units),
+        strategy=lay.strategy.value,
+        world_size=world_size,
+        shard_size=lay.shard_size,
+        replicate_size=lay.replicate_size,
+        param_dtype=sh.param_dtype,
+        reduce_dtype=sh.reduce_dtype,
+        activation_checkpointing=bool(sh.activation_checkpointing),
+        rows=rows,
+        seq_len=cfg.data.seq_len,
+        micro_batches=micro,
+        sharded_params=lay.sharded_params,
+        sharded_grads=lay.sharded_grads,
+        optim_state=lay.optim_state,
+        timeline=timeline,
         activations_without_checkpointing=_activation_peak(timelines[False]),
         activations_with_checkpointing=_activation_peak(timelines[True]),
-        bytes_moved=bytes_per_step(lay, sh, micro), device_memory_bytes=int(device_memory_bytes))
+        bytes_moved=bytes_per_step(lay, sh, micro),
+        device_memory_bytes=int(device_memory_bytes),
+    )
 
 
 def _activation_peak(t: StepTimeline) -> int:
     return max(p.block_activations + p.root_activations for p in t.phases)
 
 
-def candidates(cfg: JobConfig, world_size: int, device_memory_bytes: int,
-               local_world_size: int = 8) -> list[MemoryPlan]:
+def candidates(
+    cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
+) -> list[MemoryPlan]:
     """Every strategy x activation checkpointing at this world size, dtypes as configured."""
     out = []
     for strategy in _strategies(cfg, world_size, local_world_size):
         for ac in (False, True):
-            sharding = dataclasses.replace(cfg.sharding, strategy=strategy.value, activation_checkpointing=ac)
-            out.append(plan(dataclasses.replace(cfg, sharding=sharding), world_size, device_memory_bytes,
-                            local_world_size))
+            sharding = dataclasses.replace(
+                cfg.sharding, strategy=strategy.value, activation_checkpointing=ac
+            )
+            out.append(
+                plan(
+                    dataclasses.replace(cfg, sharding=sharding),
+                    world_size,
+                    device_memory_bytes,
+                    local_world_size,
+                )
+            )
     return out
 
 
-def _strategies(cfg: JobConfig, world_size: int, local_world_size: int) -> list[ShardingStrategy]:
+def _strategies(
+    cfg: TrainerConfig, world_size: int, local_world_size: int
+) -> list[ShardingStrategy]:
     """HYBRID_SHARD only where it differs from the others: 1 < shard group < world size."""
     out = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
     try:
-        shard, _ = mesh_shape(ShardingStrategy.HYBRID_SHARD, world_size,
-                              cfg.sharding.hybrid_shard_group_size, local_world_size)
+        shard, _ = mesh_shape(
+            ShardingStrategy.HYBRID_SHARD,
+            world_size,
+            cfg.sharding.hybrid_shard_group_size,
+            local_world_size,
+        )
     except ConfigError:
         return out
     return out + [ShardingStrategy.HYBRID_SHARD] if 1 < shard < world_size else out
 
 
-def recommend(cfg: JobConfig, world_size: int, device_memory_bytes: int,
-              local_world_size: int = 8) -> list[MemoryPlan]:
+def recommend(
+    cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
+) -> list[MemoryPlan]:
     """The options that fit, fewest bytes moved per step first; among equals, no recomputation
     (checkpointing off) first, then the least memory. Empty when nothing fits."""
-    fitting = [p for p in candidates(cfg, world_size, device_memory_bytes, local_world_size) if p.fits]
+    fitting = [
+        p for p in candidates(cfg, world_size, device_memory_bytes, local_world_size) if p.fits
+    ]
     return sorted(fitting, key=lambda p: (p.total_bytes_moved, p.activation_checkpointing, p.total))
 
 
-def check_fits(cfg: JobConfig, world_size: int, device_memory_bytes: int,
-               local_world_size: int = 8) -> MemoryPlan:
+def check_fits(
+    cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
+) -> MemoryPlan:
     """The plan, or ConfigError with the breakdown and what would fit: call before workers start."""
     p = plan(cfg, world_size, device_memory_bytes, local_world_size)
     if p.fits:
         return p
-    from .report import format_recommendation
 
     options = recommend(cfg, world_size, device_memory_bytes, local_world_size)
     raise ConfigError(
         f"invalid config: sharding.strategy={p.strategy} with sharding.activation_checkpointing="
-        f"{p.activation_checkpointing} on {world_size} workers needs {p.total / GiB:.2f} GiB per worker, "
-        f"more than the device's {device_memory_bytes / GiB:.2f} GiB; valid: a configuration that fits.\n\n"
-        f"{p.table()}\n\n{format_recommendation(options, p)}")
+        f"{p.activation_checkpointing} on {world_size} workers needs {p.total / GiB:.2f} GiB "
+        f"per worker, more than the device's {device_memory_bytes / GiB:.2f} GiB; valid: a "
+        "configuration that fits.\n\n"
+        f"{p.table()}\n\n{format_recommendation(options, p)}"
+    )

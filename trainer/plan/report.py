@@ -1,5 +1,6 @@
 """Human-readable plan and recommendation. Memory in GiB (2^30, as devices report it), or MiB for
 small models; bytes on the wire in GB (10^9, as link bandwidths are quoted), or MB."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,21 +23,35 @@ def format_plan(p: "MemoryPlan") -> str:
         ("sharded parameters (fp32)", p.sharded_params, p.sharded_params),
         ("sharded gradients (fp32)", p.sharded_grads, p.sharded_grads),
         ("optimizer state (AdamW, fp32)", p.optim_state, p.optim_state),
-        (f"gathered parameters ({p.param_dtype})", peak.gathered_params, tl.max_of("gathered_params")),
-        (f"unsharded gradients ({p.reduce_dtype})", peak.unsharded_grads, tl.max_of("unsharded_grads")),
+        (
+            f"gathered parameters ({p.param_dtype})",
+            peak.gathered_params,
+            tl.max_of("gathered_params"),
+        ),
+        (
+            f"unsharded gradients ({p.reduce_dtype})",
+            peak.unsharded_grads,
+            tl.max_of("unsharded_grads"),
+        ),
         ("communication buffers", peak.comm_buffers, tl.max_of("comm_buffers")),
         ("activations: blocks", peak.block_activations, tl.max_of("block_activations")),
-        ("activations: embedding, logits, loss", peak.root_activations, tl.max_of("root_activations")),
+        (
+            "activations: embedding, logits, loss",
+            peak.root_activations,
+            tl.max_of("root_activations"),
+        ),
         ("optimizer step temporaries", peak.optimizer_temps, tl.max_of("optimizer_temps")),
     ]
     ckpt = "on" if p.activation_checkpointing else "off"
     replicas = f"{p.replicate_size} replica{'s' if p.replicate_size > 1 else ''}"
     lines = [
-        f"Memory plan per worker: model {p.model} ({_count(p.num_params)} parameters, {p.num_units} units: "
+        f"Memory plan per worker: model {p.model} ({_count(p.num_params)} parameters, "
+        f"{p.num_units} units: "
         f"{p.num_units - 1} blocks + root)",
         f"  {p.strategy} on {p.world_size} workers (shard group {p.shard_size} x {replicas}); "
         f"params {p.param_dtype}, reduce {p.reduce_dtype}",
-        f"  micro-batch {p.rows} x {p.seq_len} tokens, {p.micro_batches} per step; activation checkpointing {ckpt}",
+        f"  micro-batch {p.rows} x {p.seq_len} tokens, {p.micro_batches} per step; "
+        f"activation checkpointing {ckpt}",
         "",
         f"  {name:<{WIDTH}} {'at peak':>10} {'step max':>10}",
     ]
@@ -44,25 +59,40 @@ def format_plan(p: "MemoryPlan") -> str:
     lines.append("  " + "-" * (WIDTH + 22))
     lines.append(f"  {'peak, during ' + peak.name:{WIDTH}} {size(p.total):>10}   {_verdict(p)}")
     lines.append("")
-    lines.append(f"  activations alone at their peak: {_mem(p.activations_without_checkpointing)} without "
-                 f"checkpointing, {_mem(p.activations_with_checkpointing)} with")
+    lines.append(
+        f"  activations alone at their peak: {_mem(p.activations_without_checkpointing)} without "
+        f"checkpointing, {_mem(p.activations_with_checkpointing)} with"
+    )
     moved = ", ".join(f"{op.replace('_', '-')} {_wire(b)}" for op, b in p.bytes_moved.items() if b)
-    lines.append(f"  sent per step per worker: {_wire(p.total_bytes_moved)}" + (f" ({moved})" if moved else ""))
+    lines.append(
+        f"  sent per step per worker: {_wire(p.total_bytes_moved)}"
+        + (f" ({moved})" if moved else "")
+    )
     return "\n".join(lines)
 
 
 def format_recommendation(options: list["MemoryPlan"], configured: "MemoryPlan") -> str:
-    head = (f"On {configured.world_size} workers of {_mem(configured.device_memory_bytes)} "
-            f"(params {configured.param_dtype}, reduce {configured.reduce_dtype}, "
-            f"micro-batch {configured.rows} x {configured.seq_len}):")
+    head = (
+        f"On {configured.world_size} workers of {_mem(configured.device_memory_bytes)} "
+        f"(params {configured.param_dtype}, reduce {configured.reduce_dtype}, "
+        f"micro-batch {configured.rows} x {configured.seq_len}):"
+    )
     if not options:
-        return (f"{head}\n  nothing fits. Valid: more workers, sharding.param_dtype=bfloat16,\n"
-                "  sharding.reduce_dtype=bfloat16, fewer sequences per micro-batch (a larger\n"
-                "  train.micro_batches) or a shorter data.seq_len.")
+        return (
+            f"{head}\n  nothing fits. Valid: more workers, sharding.param_dtype=bfloat16,\n"
+            "  sharding.reduce_dtype=bfloat16, fewer sequences per micro-batch (a larger\n"
+            "  train.micro_batches) or a shorter data.seq_len."
+        )
     first = options[0]
-    lines = [head, f"  recommended: {first.label()} ({_mem(first.total)} peak, "
-                   f"{_wire(first.total_bytes_moved)} sent per step)"]
-    lines += [f"  also fits:   {o.label()} ({_mem(o.total)}, {_wire(o.total_bytes_moved)})" for o in options[1:]]
+    lines = [
+        head,
+        f"  recommended: {first.label()} ({_mem(first.total)} peak, "
+        f"{_wire(first.total_bytes_moved)} sent per step)",
+    ]
+    lines += [
+        f"  also fits:   {o.label()} ({_mem(o.total)}, {_wire(o.total_bytes_moved)})"
+        for o in options[1:]
+    ]
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ The engine's schedule, as trainer/fsdp/engine.py runs it (steady state: the exec
   unsharded gradient in reduce_dtype (no_sync), so the last micro-batch runs with all of them.
 - optimizer step (AdamW, foreach=False): two temporaries of the largest optimizer view.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from trainer.config import ShardingConfig, ShardingStrategy
 
 from .activations import ActivationProfile
-from .layout import DTYPE_BYTES, Layout
+from .layout import Layout
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,14 @@ class Phase:
 
     @property
     def transient(self) -> int:
-        return (self.block_activations + self.root_activations + self.gathered_params + self.unsharded_grads
-                + self.comm_buffers + self.optimizer_temps)
+        return (
+            self.block_activations
+            + self.root_activations
+            + self.gathered_params
+            + self.unsharded_grads
+            + self.comm_buffers
+            + self.optimizer_temps
+        )
 
 
 @dataclass(frozen=True)
@@ -64,30 +71,62 @@ class StepTimeline:
         return max(getattr(p, attr) for p in self.phases)
 
 
-def step_timeline(lay: Layout, sharding: ShardingConfig, acts: ActivationProfile, micro_batches: int) -> StepTimeline:
+def step_timeline(
+    lay: Layout, sharding: ShardingConfig, acts: ActivationProfile, micro_batches: int
+) -> StepTimeline:
     persistent = lay.sharded_params + lay.sharded_grads + lay.optim_state
     gathered = _Gathered(lay, sharding)
     grads = _Grads(lay, sharding, micro_batches)
     n, b, r = len(lay.blocks), acts.block, acts.root
     casts = gathered.cast_inputs()
     phases = [
-        Phase(f"forward of block {n - 1}", block_activations=(n - 1) * b.retained + b.forward_peak,
-              gathered_params=gathered.forward(), unsharded_grads=grads.before_backward(), comm_buffers=casts),
-        Phase("loss and head backward", block_activations=n * b.retained,
-              root_activations=max(r.forward_peak, r.head_backward_peak), gathered_params=gathered.head(),
-              unsharded_grads=grads.before_backward(), comm_buffers=casts),
+        Phase(
+            f"forward of block {n - 1}",
+            block_activations=(n - 1) * b.retained + b.forward_peak,
+            gathered_params=gathered.forward(),
+            unsharded_grads=grads.before_backward(),
+            comm_buffers=casts,
+        ),
+        Phase(
+            "loss and head backward",
+            block_activations=n * b.retained,
+            root_activations=max(r.forward_peak, r.head_backward_peak),
+            gathered_params=gathered.head(),
+            unsharded_grads=grads.before_backward(),
+            comm_buffers=casts,
+        ),
     ]
     for j in reversed(range(n)):
         unsharded, outputs = grads.during_block(j)
-        phases.append(Phase(f"backward of block {j}", block_activations=(j + 1) * b.retained + b.backward_peak,
-                            root_activations=r.after_head, gathered_params=gathered.backward(),
-                            unsharded_grads=unsharded, comm_buffers=outputs + casts))
+        phases.append(
+            Phase(
+                f"backward of block {j}",
+                block_activations=(j + 1) * b.retained + b.backward_peak,
+                root_activations=r.after_head,
+                gathered_params=gathered.backward(),
+                unsharded_grads=unsharded,
+                comm_buffers=outputs + casts,
+            )
+        )
     unsharded, outputs = grads.embedding_backward()
-    phases.append(Phase("embedding backward", root_activations=r.embedding_backward_peak,
-                        gathered_params=gathered.root_only(), unsharded_grads=unsharded, comm_buffers=outputs))
+    phases.append(
+        Phase(
+            "embedding backward",
+            root_activations=r.embedding_backward_peak,
+            gathered_params=gathered.root_only(),
+            unsharded_grads=unsharded,
+            comm_buffers=outputs,
+        )
+    )
     unsharded, outputs = grads.all_handed_off()
-    phases.append(Phase("end of backward", gathered_params=gathered.root_only(), unsharded_grads=unsharded,
-                        comm_buffers=outputs))
+    phases.append(
+        Phase(
+            "end of backward",
+            gathered_params=gathered.root_only(),
+            unsharded_grads=unsharded,
+            comm_buffers=outputs,
+        )
+    )
     phases.append(Phase("optimizer step", optimizer_temps=_optimizer_temps(lay)))
     return StepTimeline(persistent, tuple(phases))
 
@@ -105,7 +144,11 @@ class _Gathered:
         self.backward_blocks = 1 + int(sharding.backward_prefetch and ahead)
 
     def _root_plus(self, k: int) -> int:
-        return self.everything if self.keep_all else self.lay.root.gathered_bytes + sum(self.blocks[:k])
+        return (
+            self.everything
+            if self.keep_all
+            else self.lay.root.gathered_bytes + sum(self.blocks[:k])
+        )
 
     def forward(self) -> int:
         return self._root_plus(self.forward_blocks)
@@ -123,9 +166,9 @@ class _Gathered:
         """fp32 shards cast to the compute dtype before a gather, alive while it is in flight."""
         if self.cfg.param_dtype == "float32" or self.lay.shard_size == 1:
             return 0
-        size = DTYPE_BYTES[self.cfg.param_dtype]
+        size = self.cfg.param_dtype.itemsize
         shards = sorted((sum(u.shard) for u in self.lay.units), reverse=True)
-        return size * sum(shards[:max(self.forward_blocks, self.backward_blocks)])
+        return size * sum(shards[: max(self.forward_blocks, self.backward_blocks)])
 
 
 class _Grads:
@@ -136,11 +179,15 @@ class _Grads:
     when it does not, the traced tensor IS the one handed off, so it is not counted twice."""
 
     def __init__(self, lay: Layout, sharding: ShardingConfig, micro_batches: int):
-        size = DTYPE_BYTES[sharding.reduce_dtype]
-        self.unsharded = [size * sum(p for p, t in zip(u.padded, u.trainable) if t) for u in lay.units]
+        size = sharding.reduce_dtype.itemsize
+        self.unsharded = [
+            size * sum(p for p, t in zip(u.padded, u.trainable) if t) for u in lay.units
+        ]
         scattered = lay.shard_size > 1  # with one rank per shard group the reduction is in place
-        self.outputs = [size * sum(s for s, t in zip(u.shard, u.trainable) if t) if scattered else 0
-                        for u in lay.units]
+        self.outputs = [
+            size * sum(s for s, t in zip(u.shard, u.trainable) if t) if scattered else 0
+            for u in lay.units
+        ]
         self.accumulated = sum(self.unsharded) if micro_batches > 1 else 0
         self.cast = sharding.reduce_dtype != sharding.param_dtype
         self.bound = sharding.max_reductions_in_flight
@@ -152,12 +199,13 @@ class _Grads:
         """handed_off: unit indices handed to the reduction so far, in hand-off order; current: the
         unit finishing now. The engine folds in the oldest once more than `bound` are pending, so
         the newest bound + 1 (the one being issued) are alive."""
-        handed_off = handed_off[-(self.bound + 1):]
+        handed_off = handed_off[-(self.bound + 1) :]
         grads = sum(self.unsharded[i] for i in handed_off if i != current or self.cast)
         return max(self.accumulated, grads), sum(self.outputs[i] for i in handed_off)
 
     def during_block(self, j: int) -> tuple[int, int]:
-        """Backward of block j: blocks j..n-1 handed off (block j is unit j + 1; the root is unit 0)."""
+        """Backward of block j: blocks j..n-1 handed off (block j is unit j + 1; the root is
+        unit 0)."""
         return self._alive(list(range(len(self.unsharded) - 1, j, -1)), current=j + 1)
 
     def embedding_backward(self) -> tuple[int, int]:
@@ -168,5 +216,6 @@ class _Grads:
 
 
 def _optimizer_temps(lay: Layout) -> int:
-    """AdamW (single-tensor) builds denom = exp_avg_sq.sqrt() / c: two fp32 temporaries of a view."""
+    """AdamW (single-tensor) builds denom = exp_avg_sq.sqrt() / c: two fp32 temporaries of a
+    view."""
     return 2 * 4 * max(u.largest_opt_view for u in lay.units)

@@ -10,19 +10,20 @@ nothing. Once per step, on the last micro-batch: a reduce-scatter of every flat 
 shard group, then (HYBRID_SHARD) an all-reduce of the shard across replicas; NO_SHARD all-reduces
 the whole gradient.
 """
+
 from __future__ import annotations
 
 from trainer.config import ShardingConfig, ShardingStrategy
 from trainer.fsdp.accounting import Accounting
 
-from .layout import DTYPE_BYTES, Layout, UnitLayout
+from .layout import Layout, UnitLayout
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def bytes_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) -> dict[str, int]:
     acct = Accounting()
-    p, r = DTYPE_BYTES[sharding.param_dtype], DTYPE_BYTES[sharding.reduce_dtype]
+    p, r = sharding.param_dtype.itemsize, sharding.reduce_dtype.itemsize
     for _ in range(micro_batches):
         for unit in _gathered_per_micro_batch(lay):
             for padded in unit.padded:

@@ -18,13 +18,15 @@ How our strategies map (fp32 master, bf16 compute copy, fp32 gradient shards, Ad
                           2 Psi / N above the paper's, because our gradient shards are fp32.
   Stage 1 (replicated gradients, sharded optimizer) has no counterpart in the engine.
 """
+
 from __future__ import annotations
 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def zero_stage_bytes(params: int, devices: int, stage: int, k: int = 12,
-                     param_bytes: int = 2, grad_bytes: int = 2) -> float:
+def zero_stage_bytes(
+    params: int, devices: int, stage: int, k: int = 12, param_bytes: int = 2, grad_bytes: int = 2
+) -> float:
     """Model-state bytes per device for ZeRO `stage` (0 = plain data parallel)."""
     if stage not in ZERO_STAGES:
         raise ValueError(f"stage={stage!r}; valid: {', '.join(map(str, ZERO_STAGES))}")

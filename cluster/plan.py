@@ -1,7 +1,8 @@
 """Print the memory plan and the recommendation for a training config, before renting the GPUs.
 
-    python -m trainer.plan model=8b sharding=full_shard cluster.num_workers=64 device_memory_gb=80
-    python -m trainer.plan model=8b cluster=ray train.global_batch_size=512 data.seq_len=4096 \\
+    python -m cluster.plan model=8b sharding=full_shard cluster.num_workers=64 \\
+        train.global_batch_size=64 device_memory_gb=80
+    python -m cluster.plan model=8b cluster=ray train.global_batch_size=512 data.seq_len=4096 \\
         sharding.param_dtype=bfloat16 train.micro_batches=8 local_world_size=8
 
 The arguments are the training job's Hydra overrides (conf/), plus two keys of the planner's own:
@@ -9,19 +10,25 @@ device_memory_gb (GiB per device, default 80) and local_world_size (workers per 
 HYBRID_SHARD group, default 8). An elastic job (cluster.min_workers/max_workers) is planned at both
 ends. Exit status 0 when the configured job fits at every world size it may have, 1 when not,
 2 for an invalid config.
+
+The job is composed exactly as `python -m cluster.train` composes it (cluster/config.py); the
+planner itself is trainer/plan.
 """
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from trainer.config import ConfigError, JobConfig
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
-from .planner import GiB, plan, recommend
-from .report import format_recommendation
+from cluster.config import ConfigError, JobConfig, register_schemas, to_job_config
+from trainer.plan import format_recommendation, plan, recommend
+from trainer.plan.planner import GiB
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-SCHEMA_NAME = "job_schema"  # conf/config.yaml lists it first in its defaults (as cluster/train.py registers it)
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_KEYS = {"device_memory_gb": 80.0, "local_world_size": 8}
 
 
@@ -34,7 +41,9 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
             try:
                 own[key] = type(PLAN_KEYS[key])(value)
             except ValueError:
-                raise ConfigError(f"invalid config: {key}={value!r}; valid: a positive number") from None
+                raise ConfigError(
+                    f"invalid config: {key}={value!r}; valid: a positive number"
+                ) from None
             if own[key] <= 0:
                 raise ConfigError(f"invalid config: {key}={value!r}; valid: a positive number")
         else:
@@ -44,23 +53,13 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
 
 def compose_job(overrides: list[str]) -> JobConfig:
     """The same typed, validated JobConfig training gets from these overrides."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=JobConfig)
+    register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         dictcfg = compose(config_name="config", overrides=overrides)
-    job = OmegaConf.to_object(dictcfg)
-    if not isinstance(job, JobConfig):
-        raise ConfigError(f"invalid config: {CONF_DIR}/config.yaml does not list '{SCHEMA_NAME}' in its defaults")
-    return job.validate()
+    return to_job_config(dictcfg).validate()
 
 
 def main(argv: list[str]) -> int:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0

@@ -1,0 +1,301 @@
+"""The job's config on the driver: its schema, how Hydra composes it, checks, paths, the trip to
+the workers.
+
+    cfg = checked_config(dictcfg, launch_dir)          # typed, validated, paths absolute
+    trainer = build_trainer(cfg, {"job": job_to_dict(cfg)})
+    cfg = job_from_dict(config["job"])                 # in each worker
+
+`JobConfig` is the training job (trainer.config.TrainerConfig: model, sharding, optim, data,
+train) plus what only the Ray layer knows: where the workers run (`cluster`), MLflow
+(`tracking`) and fault drills (`fault`). `register_schemas` stores it in Hydra's ConfigStore as
+`job_schema`, which conf/config.yaml lists first, so every YAML file and override is merged into a
+typed, struct-mode JobConfig: an unknown key or a value of the wrong type fails in Hydra, before any
+code of ours runs. The model presets (trainer.config.PRESETS) are registered as the `model` group.
+
+Ray workers run in their own working directory (on other machines, on a cluster), so every
+relative path is made absolute against the launch directory on the driver, and a run's
+checkpoints live in its Ray run folder: <cluster.storage_path>/<cluster.run_name>/checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from cluster.tracking import resolve_tracking_uri
+from trainer.config import PRESETS, ConfigError, TrainerConfig, fail
+
+SCHEMA_NAME = "job_schema"
+
+
+@dataclass
+class ClusterConfig:
+    """Where the workers run: a local Ray instance or a Ray cluster."""
+
+    address: Optional[str] = None
+    """Ray address; None uses RAY_ADDRESS if set, else starts a local Ray instance."""
+    num_workers: int = 2
+    """Workers (one GPU each on GPU clusters) when not elastic."""
+    min_workers: Optional[int] = None
+    """Elastic lower bound; set with max_workers to let the run resize."""
+    max_workers: Optional[int] = None
+    """Elastic upper bound."""
+    use_gpu: bool = False
+    """One GPU per worker actor (NCCL) instead of CPU (gloo)."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved for each worker actor."""
+    storage_path: str = "runs"
+    """Ray Train storage: a local path or a pyarrow.fs URI (s3://, gs://). The run's checkpoints
+    go to <storage_path>/<run_name>/checkpoints."""
+    run_name: str = "elastic-fsdp"
+    """Stable run name: resubmitting the same name resumes from its last checkpoint."""
+    max_failures: int = 3
+    """Worker-group restarts allowed after failures (-1 = unlimited)."""
+    pg_timeout_s: float = 600.0
+    """Process-group (collective) timeout in seconds."""
+    device_memory_gb: Optional[float] = None
+    """GiB of one worker's device. When set, the memory planner (trainer/plan) checks before any
+    worker starts that the job fits at the smallest world size, and fails with the breakdown and a
+    recommendation if it does not. On CUDA workers the device's real size is checked regardless."""
+    elastic_resize_monitor_interval_s: float = 60.0
+    """How often Ray Train checks whether an elastic run can grow (ScalingConfig field)."""
+
+    def validate(self) -> None:
+        if self.num_workers <= 0:
+            fail("cluster.num_workers", self.num_workers, "a positive integer")
+        if (self.min_workers is None) != (self.max_workers is None):
+            fail(
+                "cluster.min_workers/max_workers",
+                (self.min_workers, self.max_workers),
+                "both set (elastic) or both null (fixed num_workers)",
+            )
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.max_workers:
+            fail(
+                "cluster.min_workers",
+                self.min_workers,
+                f"1 <= min_workers <= max_workers={self.max_workers}",
+            )
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            fail(
+                "cluster.device_memory_gb",
+                self.device_memory_gb,
+                "null or a positive number of GiB",
+            )
+        if self.cpus_per_worker <= 0:
+            fail("cluster.cpus_per_worker", self.cpus_per_worker, "a positive number")
+        if self.max_failures < -1:
+            fail("cluster.max_failures", self.max_failures, "-1 (unlimited) or an integer >= 0")
+
+    @property
+    def world_sizes(self) -> tuple[int, int]:
+        """(smallest, largest) world size the run may have."""
+        if self.min_workers is None:
+            return self.num_workers, self.num_workers
+        return self.min_workers, self.max_workers
+
+
+FAULT_KINDS = ("crash", "drain")
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests and drills: each fault fires once per run, never again on
+    resume."""
+
+    kill_rank: int = -1
+    """Rank to hit; -1 disables fault injection."""
+    at_step: int = -1
+    """Step before which the fault fires."""
+    kind: str = "crash"
+    """crash: the worker process dies at once (os._exit); drain: SIGTERM, a graceful leave."""
+
+    def validate(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            fail("fault.kind", self.kind, ", ".join(FAULT_KINDS))
+        if self.kill_rank >= 0 and self.at_step < 0:
+            fail("fault.at_step", self.at_step, "a step >= 0 when fault.kill_rank is set")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kill_rank >= 0
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking."""
+
+    tracking_uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI; a relative sqlite path is made absolute at launch.
+    MLFLOW_TRACKING_URI in the environment overrides it."""
+    experiment: str = "elastic-fsdp"
+    """MLflow experiment name."""
+    enabled: bool = True
+    """Log to MLflow at all."""
+
+    def validate(self) -> None:
+        if not self.experiment:
+            fail("tracking.experiment", self.experiment, "a non-empty experiment name")
+
+
+@dataclass
+class JobConfig(TrainerConfig):
+    """One training job: the trainer's config plus the Ray layer's sections."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def validate(self) -> "JobConfig":
+        super().validate()
+        lo, hi = self.cluster.world_sizes
+        if self.train.global_batch_size < hi:
+            fail(
+                "train.global_batch_size",
+                self.train.global_batch_size,
+                f"at least the largest world size ({hi}), so every rank gets a sequence",
+            )
+        if self.fault.enabled and self.fault.kill_rank >= lo:
+            fail(
+                "fault.kill_rank",
+                self.fault.kill_rank,
+                f"a rank below the smallest world size ({lo})",
+            )
+        return self
+
+    @property
+    def checkpoint_root(self) -> str:
+        """The run's checkpoints: inside Ray's run folder, so one run name means one checkpoint
+        history, and a resubmitted run finds its checkpoints again."""
+        return checkpoint_root(self.cluster.storage_path, self.cluster.run_name)
+
+
+# ---- Hydra ------------------------------------------------------------------------------------
+
+
+def register_schemas() -> None:
+    """JobConfig as `job_schema` and every model preset as `model/<name>` in Hydra's ConfigStore
+    (idempotent: Hydra replaces an entry of the same name)."""
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=JobConfig)
+    for name, preset in PRESETS.items():
+        store.store(group="model", name=name, node=preset)
+
+
+def to_job_config(dictcfg: DictConfig) -> JobConfig:
+    """The composed DictConfig as plain dataclasses; Hydra stops here and nothing below sees it.
+
+    Hydra's `+key=value` adds a key even to a typed node, and OmegaConf.to_object then drops it
+    without a word; such a key is refused here instead, listing the valid ones.
+    """
+    check_known_keys(dictcfg, JobConfig)
+    job = OmegaConf.to_object(dictcfg)
+    if not isinstance(job, JobConfig):
+        raise TypeError(
+            f"composed config is {type(job).__name__}, not JobConfig: "
+            f"conf/config.yaml must list '{SCHEMA_NAME}' first in its defaults"
+        )
+    return job
+
+
+def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """Raise ConfigError for the first key of `node` that is not a field of dataclass `schema`."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if key not in fields:
+            section = prefix.rstrip(".") or "the top level"
+            raise ConfigError(
+                f"invalid config: unknown key {prefix}{key}; valid keys of "
+                f"{section}: {', '.join(fields)}"
+            )
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            check_known_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")
+
+
+# ---- checks and paths, on the driver ------------------------------------------------------------
+
+
+def checked_config(
+    dictcfg: DictConfig, launch_dir: str, run_name: Optional[str] = None
+) -> JobConfig:
+    """The job as the workers will run it: typed, validated, its paths absolute, and under
+    `run_name` when given (a sweep's job). Raises ConfigError (or OmegaConf's error) naming the
+    key and the value: call it before anything starts."""
+    from trainer.data import resolve_source  # noqa: PLC0415 -- numpy/pyarrow only when checking
+
+    cfg = to_job_config(dictcfg).validate()
+    resolve_source(cfg.data.source)
+    if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
+        from trainer.plan import check_fits  # noqa: PLC0415 -- torch: only when asked for
+
+        check_fits(cfg, cfg.cluster.world_sizes[0], int(cfg.cluster.device_memory_gb * 2**30))
+    if run_name is not None:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, run_name=run_name))
+    return with_absolute_paths(cfg, launch_dir)
+
+
+def is_uri(path: str) -> bool:
+    """True for pyarrow.fs URIs (s3://, gs://, file://...), which are left as they are."""
+    return "://" in path
+
+
+def absolute(path: str, base_dir: str) -> str:
+    if is_uri(path) or Path(path).is_absolute():
+        return path
+    return str((Path(base_dir) / path).resolve())
+
+
+def checkpoint_root(storage_path: str, run_name: str) -> str:
+    """<storage_path>/<run_name>/checkpoints: a run's checkpoints, in Ray's run folder."""
+    return f"{storage_path.rstrip('/')}/{run_name}/checkpoints"
+
+
+def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:
+    """A copy of cfg with the data, storage and tracking locations absolute."""
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, prepared_dir=absolute(cfg.data.prepared_dir, base_dir)),
+        cluster=dataclasses.replace(
+            cfg.cluster, storage_path=absolute(cfg.cluster.storage_path, base_dir)
+        ),
+        tracking=dataclasses.replace(
+            cfg.tracking, tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri, base_dir)
+        ),
+    )
+
+
+# ---- the trip to the workers --------------------------------------------------------------------
+
+
+def job_to_dict(cfg: JobConfig) -> dict:
+    """The form Ray ships to each worker (train_loop_config): builtins and our enums, which pickle
+    the same under any Ray version and show readably in Ray's dashboard."""
+    return dataclasses.asdict(cfg)
+
+
+def job_from_dict(data: dict) -> JobConfig:
+    """Inverse of job_to_dict; an unknown section or key raises TypeError naming it."""
+    sections = typing.get_type_hints(JobConfig)
+    unknown = set(data) - set(sections)
+    if unknown:
+        raise TypeError(f"unknown JobConfig sections {sorted(unknown)}; valid: {sorted(sections)}")
+    return JobConfig(**{name: sections[name](**data[name]) for name in data})
+
+
+def flatten(obj, prefix: str = "") -> dict[str, object]:
+    """Dataclass tree -> {'train.steps': 60, ...}: the MLflow params of a run."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(v):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,121 @@
+"""The Ray Train controller's view of the cluster, kept in step with the nodes really there.
+
+Ray sizes an elastic group from a view of the nodes it renews every 20 s and that counts nodes
+being drained: a restart after a node loss or a preemption would ask for the leaving node and
+wait out the group start timeout (60 s), a node that joined would wait up to 20 s. `ClusterView`
+(a controller callback, elastic runs only) renews the view when it matters and keeps leaving
+nodes out of the decision.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback
+
+try:  # Ray's internals, probed: where they moved, the policy's 1 s cache (Ray 2.60) is assumed
+    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+except ImportError:
+    ElasticScalingPolicy = None
+
+COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
+"""(name, namespace) of Ray's detached actor that elastic Ray Train asks for node resources."""
+
+
+class ClusterView(ControllerCallback):
+    """Keep Ray Train's elastic sizing in step with the nodes that are really there.
+
+    Runs in the Ray Train controller (elastic runs only). Two blind spots of Ray 2.60's elastic
+    policy, each of which costs a failed group start (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S,
+    60 s) or a late resize:
+
+    - It sizes groups from its AutoscalingCoordinator's node view, which that actor renews on its
+      own 20 s tick only (no setting): a restart right after a node loss asks for the lost node;
+      a node that joined is seen up to 20 s late. `get_reserved_resources(recompute=True)` renews
+      the view at once (one ray.nodes() call): done when the controller starts, when it restarts
+      or reschedules the group, and, while running, once per elastic_resize_monitor_interval_s.
+      The policy also caches the coordinator's answer for 1 s (GET_RESERVED_RESOURCES_INTERVAL_S),
+      and its last read may be the running group's resize check just before the failure: so a
+      restart first waits that second out.
+    - The coordinator counts a node being drained (a preemption) as available until its raylet
+      exits, so the restart after a preemption asks for the leaving node's workers too.
+      `before_controller_execute_resize_decision` lowers the decision to what the alive,
+      non-draining nodes hold (never below min_workers, never higher than Ray decided).
+
+    Its hooks never raise (Ray would count a callback error as a failure of the run): an error in
+    the renewal switches it off, Ray's own tick still works; the clipping falls back to Ray's
+    decision."""
+
+    def __init__(self, interval_s: float, min_workers: int):
+        self.interval_s, self.min_workers = interval_s, min_workers
+        self._last = float("-inf")
+        self._off = False
+
+    def after_controller_start(self, train_run_context) -> None:
+        self._refresh()
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        kind = type(current_state).__name__
+        if kind == "RestartingState":
+            time.sleep(self._policy_cache_s())
+            self._refresh()
+        elif kind == "ReschedulingState":
+            self._refresh()
+        elif kind == "RunningState" and time.monotonic() - self._last >= self.interval_s:
+            self._refresh()
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        try:
+            fits = workers_that_fit(resize_decision.resources_per_worker)
+        except Exception:  # Ray's decision stands
+            return
+        if self.min_workers <= fits < resize_decision.num_workers:
+            print(
+                f"elastic: Ray chose {resize_decision.num_workers} workers, but the nodes not "
+                f"being drained hold {fits}: starting {fits}",
+                flush=True,
+            )
+            resize_decision.num_workers = fits
+
+    @staticmethod
+    def _policy_cache_s() -> float:
+        if ElasticScalingPolicy is None:
+            return 1.0
+        return float(getattr(ElasticScalingPolicy, "GET_RESERVED_RESOURCES_INTERVAL_S", 1.0))
+
+    def _refresh(self) -> None:
+        if self._off:
+            return
+        self._last = time.monotonic()
+        try:
+            actor = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+            ray.get(
+                actor.get_reserved_resources.remote("elastic-fsdp-view", recompute=True), timeout=5
+            )
+        except Exception as e:  # never fail the run over an optimisation
+            self._off = True
+            print(
+                f"elastic: cannot renew Ray's cluster view ({type(e).__name__}: {e}); "
+                "node changes are seen on Ray's 20 s tick",
+                flush=True,
+            )
+
+
+def workers_that_fit(
+    per_worker: dict[str, float],
+    nodes: Optional[list[dict]] = None,
+    draining: Optional[set[str]] = None,
+) -> int:
+    """Workers of `per_worker` resources that the alive nodes not being drained hold in total."""
+    if nodes is None or draining is None:
+        nodes = ray.nodes()
+        draining = set(ray._private.state.state.get_draining_nodes())
+    needs = {k: v for k, v in per_worker.items() if v > 0}
+    total = 0
+    for node in nodes:
+        if node["Alive"] and node["NodeID"] not in draining and needs:
+            have = node["Resources"]
+            total += int(min(have.get(k, 0.0) // v for k, v in needs.items()))
+    return total

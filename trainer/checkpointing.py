@@ -1,0 +1,298 @@
+"""Checkpointing for the training loop: when to save, the save in flight and the report of its
+commit, resume with the all-ranks fallback, and the trainer state stored with every checkpoint.
+
+    ckpt = Checkpointer(cfg, root, model, optimizer, scaler, rank=r, world_size=w, device=d,
+                        group=control_group, on_commit=report)
+    step = ckpt.resume()        # 0, or the step of the newest checkpoint every rank can load
+    ...                         # train step `step`, then:
+    ckpt.after_step(step + 1)   # saves every train.checkpoint_every steps; reports commits
+    last = ckpt.close(step)     # saves the last step trained, waits for it, reports it
+
+What is saved (DESIGN.md invariants 2-4): each original parameter's fp32 element ranges and its
+AdamW state (trainer/fsdp/state.py names them, trainer/checkpoint/keys.py turns the names into
+keys), and `TrainerState`: the step (which IS the data position), the RNG, the loss scaler. Saves
+are asynchronous: the loop waits only for the copy to host memory. Step N is reported
+(`on_commit`, Ray's checkpoint report under Ray) once its manifest is committed, at the first step
+boundary after that, on every rank together: the ranks agree that the save is done with one
+small all-reduce on `group` (gloo, CPU: no device sync) per step while a save is in flight.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    TensorChunk,
+    list_checkpoints,
+)
+from trainer.checkpoint.keys import optim_key, param_key
+from trainer.config import ConfigError, ModelConfig, TrainerConfig
+from trainer.fsdp import FSDPModel
+from trainer.fsdp.mixed_precision import ShardedGradScaler
+from trainer.fsdp.state import load_optim, load_params, optim_pieces, param_pieces
+from trainer.optim import lr_at
+
+
+def model_digest(model: ModelConfig) -> str:
+    """A checkpoint only loads into the same model shape."""
+    return hashlib.sha256(
+        json.dumps(dataclasses.asdict(model), sort_keys=True).encode()
+    ).hexdigest()[:16]
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds besides tensors (the manifest's JSON `state`)."""
+
+    step: int
+    """Optimizer steps done; the next step to train. Also the data position: step s consumes
+    global samples [s * B, (s + 1) * B)."""
+    consumed_samples: int
+    global_batch_size: int
+    """The data position depends on it: a checkpoint only resumes with the same global batch."""
+    optim_step: float
+    """AdamW's step count (bias correction), restored into every shard's state."""
+    lr: float
+    """The learning rate of the last step trained (for the record)."""
+    world_size: int
+    strategy: str
+    model_config: dict
+    model_digest: str
+    grad_scaler: dict
+    rng_cpu: str
+    """torch's CPU RNG state, base64."""
+
+    @classmethod
+    def of(
+        cls,
+        cfg: TrainerConfig,
+        step: int,
+        world_size: int,
+        optimizer: torch.optim.Optimizer,
+        scaler: ShardedGradScaler,
+    ) -> "TrainerState":
+        steps_taken = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+        return cls(
+            step=step,
+            consumed_samples=step * cfg.train.global_batch_size,
+            global_batch_size=cfg.train.global_batch_size,
+            optim_step=max(steps_taken, default=0.0),
+            lr=lr_at(cfg.optim, cfg.train.steps, max(step - 1, 0)),
+            world_size=world_size,
+            strategy=str(cfg.sharding.strategy),
+            model_config=dataclasses.asdict(cfg.model),
+            model_digest=model_digest(cfg.model),
+            grad_scaler=scaler.state_dict(),
+            rng_cpu=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def restore_rng(self) -> None:
+        torch.set_rng_state(
+            torch.frombuffer(bytearray(base64.b64decode(self.rng_cpu)), dtype=torch.uint8)
+        )
+
+
+def state_chunks(model: FSDPModel, optimizer: torch.optim.Optimizer) -> list[TensorChunk]:
+    """This rank's named element ranges of parameters and optimizer state. Replicas (NO_SHARD,
+    HYBRID_SHARD across groups) hold identical bytes: only the first replica writes them, the
+    others write an empty shard."""
+    if model.mesh.replicate_rank != 0:
+        return []
+    out = [
+        TensorChunk(param_key(fqn), shape, torch.float32, start, t)
+        for fqn, shape, start, t in param_pieces(model)
+    ]
+    out += [
+        TensorChunk(optim_key(fqn, name), shape, t.dtype, start, t)
+        for fqn, name, shape, start, t in optim_pieces(model, optimizer)
+    ]
+    return out
+
+
+def load_state(
+    model: FSDPModel,
+    optimizer: Optional[torch.optim.Optimizer],
+    reader: CheckpointReader,
+    optim_step: float,
+    device: torch.device,
+) -> None:
+    """Fill this rank's shards (and optimizer state) from a checkpoint of any layout, reading
+    only the element ranges this rank holds."""
+    load_params(model, lambda fqn, start, n: reader.read(param_key(fqn), start, n).to(device))
+    if optimizer is not None:
+        load_optim(
+            model,
+            optimizer,
+            lambda fqn, name, start, n: reader.read(optim_key(fqn, name), start, n).to(device),
+            step=optim_step,
+        )
+
+
+class Checkpointer:
+    """One rank's checkpointing of one run: cadence, async save, commit report, resume."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        root: str,
+        model: FSDPModel,
+        optimizer: torch.optim.Optimizer,
+        scaler: ShardedGradScaler,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+        resume_from: Optional[str] = None,
+        on_commit: Optional[Callable[[str, int], None]] = None,
+        log=print,
+    ):
+        """`root`: this run's checkpoint folder (a path or pyarrow.fs URI). `group`: a gloo group
+        of all ranks, for the save barrier and the agreements (None with one rank).
+        `resume_from`: a checkpoint to resume from instead of the newest valid one under root.
+        `on_commit(path, step)`: called on every rank once step's checkpoint is committed.
+        `log`: prints on rank 0 (the loop's print0)."""
+        self.cfg, self.root = cfg, root
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.rank, self.world, self.device, self.group = rank, world_size, device, group
+        self.resume_from, self.on_commit, self.log = resume_from, on_commit, log
+        self.every, self.total = cfg.train.checkpoint_every, cfg.train.steps
+        self.writer = CheckpointWriter(
+            root, keep=cfg.train.keep_checkpoints, async_save=True, group=group
+        )
+        self.start_step = 0
+        self.resumed_from: Optional[str] = None
+        self.last_committed: Optional[str] = None
+        self._in_flight: Optional[int] = None  # the step being saved, until reported
+        self._saved_step: Optional[int] = None
+
+    # ---- saving ------------------------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        """`step` steps are done: report a save that committed meanwhile; save if one is due."""
+        if self._in_flight is not None and not self._any(self.writer.in_flight()):
+            self._report()
+        if self.every and step % self.every == 0 and step < self.total:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Start an asynchronous save of `step`; the previous one is waited for and reported."""
+        self._report()
+        state = TrainerState.of(self.cfg, step, self.world, self.optimizer, self.scaler)
+        self.writer.save(
+            step, self.rank, self.world, state_chunks(self.model, self.optimizer), state.to_json()
+        )
+        self._in_flight = self._saved_step = step
+
+    def close(self, step: int) -> Optional[str]:
+        """Save `step` unless saved already or nothing was trained; wait; report; stop the
+        writer. Returns the last committed checkpoint's path."""
+        if step > self.start_step and self._saved_step != step:
+            self.save(step)
+        self._report()
+        self.writer.close()
+        return self.last_committed
+
+    def _report(self) -> None:
+        """Wait for the save in flight (re-raising its failure) and report it as committed."""
+        if self._in_flight is None:
+            return
+        path = self.writer.wait()
+        step, self._in_flight = self._in_flight, None
+        self.last_committed = path
+        if self.on_commit is not None:
+            self.on_commit(path, step)
+
+    # ---- resuming ----------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the newest checkpoint that every rank can read whole; older ones are the fallback.
+        Returns the step to start at (0 when there is nothing to resume).
+
+        Listing checks are cheap (manifest, sizes); a flipped byte inside a shard only shows when
+        its block is read. A rank that hits one tells the others (MAX all-reduce), and all ranks
+        move to the next older checkpoint together: never a mix of two."""
+        if self.resume_from:
+            candidates = [self.resume_from]
+        else:
+            infos = list_checkpoints(self.root)
+            for info in infos:
+                if info.problem:
+                    self.log(f"skipping checkpoint {info.path}: {info.problem}")
+            candidates = [info.path for info in infos if not info.problem]
+        for path in candidates:
+            error, state = self._try_load(path)
+            if not self._any(error is not None):
+                return self._adopt(path, state)
+            if error is not None:
+                print(f"rank {self.rank}: checkpoint {path} is unusable: {error}", flush=True)
+            self.log(f"checkpoint {path} failed to load on some rank: falling back to an older one")
+        if candidates:  # committed checkpoints exist and none loads: starting over would lose them
+            raise CheckpointError(
+                f"none of the committed checkpoints under {self.root} can be loaded "
+                f"({', '.join(candidates)}); run `python -m trainer.checkpoint verify PATH` on "
+                "them, or start a new run (cluster.run_name)"
+            )
+        return 0
+
+    def _try_load(self, path: str) -> tuple[Optional[str], Optional[TrainerState]]:
+        """Load `path` into this rank's shards: (None, its state), or (the error text, None)."""
+        try:
+            reader = CheckpointReader(path)
+        except CheckpointError as e:
+            return str(e), None
+        st = reader.state
+        cfg = self.cfg
+        if st.get("model_digest") != model_digest(cfg.model):
+            raise ConfigError(
+                f"invalid config: the checkpoint at {path} was written for model "
+                f"{st.get('model_config')}, not {dataclasses.asdict(cfg.model)}; "
+                "valid: the same model config, or a new cluster.run_name"
+            )
+        if st["global_batch_size"] != cfg.train.global_batch_size:
+            raise ConfigError(
+                f"invalid config: train.global_batch_size={cfg.train.global_batch_size} "
+                f"but the checkpoint at {path} was trained with {st['global_batch_size']}; "
+                "valid: the same global batch (the data position depends on it)"
+            )
+        try:
+            load_state(self.model, self.optimizer, reader, st["optim_step"], self.device)
+        except CheckpointError as e:
+            return str(e), None
+        known = {f.name for f in dataclasses.fields(TrainerState)}
+        return None, TrainerState(**{k: st.get(k) for k in known})
+
+    def _adopt(self, path: str, state: TrainerState) -> int:
+        """Every rank loaded `path`: take its step, RNG and scaler, and never delete it."""
+        state.restore_rng()
+        if state.grad_scaler:
+            self.scaler.load_state_dict(state.grad_scaler)
+        self.start_step = int(state.step)
+        self.resumed_from = path
+        self.writer.protect(path)
+        self.log(
+            f"resumed from {path} at step {self.start_step} "
+            f"(saved at world size {state.world_size}, now {self.world})"
+        )
+        return self.start_step
+
+    # ---- agreement ---------------------------------------------------------------------------
+    def _any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())

@@ -1,0 +1,120 @@
+"""The engine's configuration: sharding strategy, precision, overlap and activation checkpointing.
+
+Plain dataclasses and enums, torch only, so the engine depends on nothing above it. The training
+job (trainer/config.py) holds a `ShardingConfig` as its `sharding` section; Hydra (cluster/) types
+the `sharding` group with it; `parallelize` (parallelize.py) turns it into the engine's explicit
+arguments. Strings from YAML or from tests are parsed into the enums once, as they are set.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key, the value and what is valid."""
+
+
+def fail(key: str, value, valid: str) -> NoReturn:
+    raise ConfigError(f"invalid config: {key}={value!r}; valid: {valid}")
+
+
+class NamedEnum(str, enum.Enum):
+    """A str enum that prints as its value (MLflow params, f-strings, JSON all see 'FULL_SHARD')."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value, key: str):
+        """The member named `value` (a member passes through); ConfigError naming `key` if none."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            fail(key, value, ", ".join(m.value for m in cls))
+
+
+class ShardingStrategy(NamedEnum):
+    """How parameters, gradients and optimizer state are spread over ranks (names as in FSDP)."""
+
+    FULL_SHARD = "FULL_SHARD"  # shard everything; free gathered params after forward
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"  # shard everything; keep gathered params until backward ends
+    NO_SHARD = "NO_SHARD"  # replicate params; all-reduce gradients (DDP)
+    HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside a node-sized group, replicate across groups
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Blocks free their gathered parameters after forward and gather again in backward."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+class DType(NamedEnum):
+    """A floating-point dtype by its torch name: the compute and reduction dtypes."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch.itemsize
+
+
+@dataclass
+class ShardingConfig:
+    """The engine (trainer/fsdp): strategy, precision, overlap and activation checkpointing."""
+
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
+    param_dtype: DType = DType.float32
+    """Compute dtype of gathered parameters: float32, bfloat16 or float16."""
+    reduce_dtype: DType = DType.float32
+    """Dtype gradients are reduced in: float32, bfloat16 or float16."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (non-reentrant)."""
+    forward_prefetch: bool = True
+    """Issue the next unit's all-gather before the current unit computes."""
+    backward_prefetch: bool = True
+    """Issue the previous unit's all-gather before the current unit's backward."""
+    max_gathers_in_flight: int = 2
+    """Bound on all-gathers issued but not yet consumed (caps gathered-parameter memory)."""
+    max_reductions_in_flight: int = 2
+    """Bound on gradient reductions issued but not yet folded into the fp32 gradient shards: the
+    oldest is waited for when a newer one is issued, so unsharded gradients never pile up."""
+    hybrid_shard_group_size: int = 0
+    """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
+    trace: bool = False
+    """Record issue/wait of every collective and start/end of every unit (for schedule tests)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        # Strings (YAML, tests, `cfg.sharding.strategy = "NO_SHARD"`) become enums as they enter.
+        if name == "strategy":
+            value = ShardingStrategy.parse(value, "sharding.strategy")
+        elif name in ("param_dtype", "reduce_dtype"):
+            value = DType.parse(value, f"sharding.{name}")
+        object.__setattr__(self, name, value)
+
+    def validate(self) -> None:
+        for key in ("max_gathers_in_flight", "max_reductions_in_flight"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                fail(f"sharding.{key}", value, "an integer >= 1")
+        if self.hybrid_shard_group_size < 0:
+            fail(
+                "sharding.hybrid_shard_group_size",
+                self.hybrid_shard_group_size,
+                "0 (ranks per node) or a positive divisor of the world size",
+            )

@@ -1,0 +1,43 @@
+"""The optimizer and its schedule: AdamW over the engine's flat shards, warmup then cosine decay.
+
+    optimizer = build_optimizer(fsdp, cfg.optim)
+    for group in optimizer.param_groups: group["lr"] = lr_at(cfg.optim, cfg.train.steps, step)
+
+The engine hands the optimizer at most two views per flat parameter (with and without weight
+decay), so AdamW's state lives on exactly this rank's shard: 8 bytes per parameter over N ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.config import OptimConfig
+from trainer.fsdp import FSDPModel
+
+
+def build_optimizer(model: FSDPModel, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW, weight decay on matrices only, the single-tensor implementation."""
+    return torch.optim.AdamW(
+        model.param_groups(cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        foreach=False,
+    )
+
+
+def lr_at(cfg: OptimConfig, total_steps: int, step: int) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to lr * min_lr_ratio at total_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.lr * (
+        cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
