@@ -11,7 +11,7 @@ import json
 import uuid
 from typing import Optional
 
-from trainer.checkpoint.storage import Location, list_dir, read_bytes, resolve, write_atomic
+from trainer.storage import Location, list_dir, read_bytes, resolve, write_atomic
 
 ELASTIC_DIR = "elastic"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.checkpoint import storage
+from trainer import storage
 from trainer.checkpoint.catalog import check, list_checkpoints
 from trainer.checkpoint.export import export
 from trainer.checkpoint.format import MANIFEST, CheckpointError, numel_of, parse_step_dir

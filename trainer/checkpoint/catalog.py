@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import pyarrow.fs as pafs
 
-from trainer.checkpoint import storage
+from trainer import storage
 from trainer.checkpoint.format import (
     MANIFEST,
     CheckpointError,
@@ -24,7 +24,7 @@ from trainer.checkpoint.format import (
     table_from_bytes,
     table_to_rows,
 )
-from trainer.checkpoint.storage import Location
+from trainer.storage import Location
 
 
 def read_manifest(step_dir: Location, listing: Optional[dict] = None) -> dict:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from trainer.checkpoint import storage
+from trainer import storage
 from trainer.checkpoint.format import (
     CHUNK_TABLE,
     FORMAT,
@@ -30,7 +30,7 @@ from trainer.checkpoint.format import (
     table_to_bytes,
     table_to_rows,
 )
-from trainer.checkpoint.storage import Location
+from trainer.storage import Location
 
 
 def commit(step_dir: Location, step: int, world_size: int, state: dict) -> dict:

@@ -18,11 +18,11 @@ from typing import Optional
 import pyarrow.fs as pafs
 import torch
 
-from trainer.checkpoint import storage
+from trainer import storage
 from trainer.checkpoint.blocks import read_checked
 from trainer.checkpoint.catalog import load_rows, open_checkpoint
 from trainer.checkpoint.format import CheckpointError, ChunkRow, itemsize, numel_of
-from trainer.checkpoint.storage import Location
+from trainer.storage import Location
 
 
 class CheckpointReader:

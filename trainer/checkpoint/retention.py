@@ -15,10 +15,10 @@ from typing import Optional
 
 import pyarrow.fs as pafs
 
-from trainer.checkpoint import storage
+from trainer import storage
 from trainer.checkpoint.catalog import step_dirs
 from trainer.checkpoint.format import MANIFEST
-from trainer.checkpoint.storage import Location
+from trainer.storage import Location
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from trainer.checkpoint import storage
+from trainer import storage
 from trainer.checkpoint.format import (
     ALIGN,
     MANIFEST,
@@ -27,7 +27,7 @@ from trainer.checkpoint.format import (
     rows_to_table,
     table_to_bytes,
 )
-from trainer.checkpoint.storage import Location
+from trainer.storage import Location
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ from typing import Optional
 
 import pyarrow.fs as pafs
 
-from trainer.checkpoint import storage
+from trainer import storage
 from trainer.checkpoint.blocks import read_checked
 from trainer.checkpoint.catalog import file_problems, load_rows, read_manifest
 from trainer.checkpoint.commit import coverage_problems
 from trainer.checkpoint.format import CheckpointError, ChunkRow
-from trainer.checkpoint.storage import Location
+from trainer.storage import Location
 
 WINDOW_BLOCKS = 16
 """Blocks checked per read: bounds verify's memory to 16 blocks whatever the chunk size."""

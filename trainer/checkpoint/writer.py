@@ -26,11 +26,12 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import shard, storage
+from trainer import storage
+from trainer.checkpoint import shard
 from trainer.checkpoint.commit import commit
 from trainer.checkpoint.format import BLOCK_BYTES, CheckpointError, TensorChunk, step_dir_name
 from trainer.checkpoint.retention import apply_retention, normalize
-from trainer.checkpoint.storage import Location
+from trainer.storage import Location
 
 log = logging.getLogger(__name__)
 

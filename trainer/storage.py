@@ -1,9 +1,10 @@
-"""Where checkpoints live: one small wrapper over pyarrow.fs for local paths and URIs alike.
+"""Storage: a small wrapper over pyarrow.fs for local paths and URIs (s3://, gs://, hdfs://).
 
 A `Location` is a filesystem plus a path inside it, and remembers how the user spelled it (so
 `str(loc.child('x'))` is again a valid path or URI, query string included, e.g.
 's3://bucket/run/step_000000020?endpoint_override=host:9000&scheme=http'). Everything the
-checkpoint code does to storage goes through the few functions here.
+checkpoints, the prepared data and the run folder do to storage goes through the few functions
+here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Optional
 
 import pyarrow.fs as pafs
 
-from trainer.checkpoint.format import CheckpointError
+
+class StorageError(OSError):
+    """A path or URI that cannot be opened; the message names it."""
+
 
 # Filesystems whose rename is atomic and which we can fsync: commit there is write-tmp + move.
 # Object stores (s3, gcs) make an object visible atomically when its single PUT completes.
@@ -61,7 +65,7 @@ def resolve(path_or_uri: str, filesystem: Optional[pafs.FileSystem] = None) -> L
     try:
         fs, p = pafs.FileSystem.from_uri(s)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for bad URIs
-        raise CheckpointError(f"cannot open storage {s!r}: {e}") from e
+        raise StorageError(f"cannot open storage {s!r}: {e}") from e
     return Location(fs, p.rstrip("/"), base.rstrip("/"), f"?{query}" if query else "")
 
 
