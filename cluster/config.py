@@ -222,22 +222,31 @@ def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
 
 
 def checked_config(
-    dictcfg: DictConfig, launch_dir: str, run_name: Optional[str] = None
+    dictcfg: DictConfig, launch_dir: str, run_name: Optional[str] = None, resume: bool = True
 ) -> JobConfig:
     """The job as the workers will run it: typed, validated, its paths absolute, and under
     `run_name` when given (a sweep's job). Raises ConfigError (or OmegaConf's error) naming the
-    key and the value: call it before anything starts."""
-    from trainer.data import resolve_source  # noqa: PLC0415 -- numpy/pyarrow only when checking
+    key and the value: call it before anything starts.
+
+    Besides the values themselves: the data sources list files, the tokenizer loads and fits the
+    model's vocabulary, each source's first JSONL/Parquet file has the text column, and the run's
+    newest checkpoint (if any) was trained on this model, global batch and data order (unless
+    `resume` is False: a command that does not train)."""
+    from trainer.checkpointing import data_identity, preflight_resume  # noqa: PLC0415 -- torch
+    from trainer.data import plan_and_check  # noqa: PLC0415 -- torch, pyarrow: after the values
 
     cfg = to_job_config(dictcfg).validate()
-    resolve_source(cfg.data.source)
+    if run_name is not None:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, run_name=run_name))
+    cfg = with_absolute_paths(cfg, launch_dir)
+    plan = plan_and_check(cfg)
+    if resume:
+        preflight_resume(cfg.checkpoint_root, cfg, data_identity(cfg, plan.digest))
     if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
         from trainer.plan import check_fits  # noqa: PLC0415 -- torch: only when asked for
 
         check_fits(cfg, cfg.cluster.world_sizes[0], int(cfg.cluster.device_memory_gb * 2**30))
-    if run_name is not None:
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, run_name=run_name))
-    return with_absolute_paths(cfg, launch_dir)
+    return cfg
 
 
 def is_uri(path: str) -> bool:
@@ -257,10 +266,19 @@ def checkpoint_root(storage_path: str, run_name: str) -> str:
 
 
 def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:
-    """A copy of cfg with the data, storage and tracking locations absolute."""
+    """A copy of cfg with the data, tokenizer, storage and tracking locations absolute: Ray
+    workers and Ray Data tasks run in other folders, on other machines."""
+    d = cfg.data
+    data = dataclasses.replace(
+        d,
+        source=_data_path(d.source, base_dir),
+        mix=[dataclasses.replace(m, path=_data_path(m.path, base_dir)) for m in d.mix],
+        tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer, base_dir),
+        prepared_dir=absolute(d.prepared_dir, base_dir),
+    )
     return dataclasses.replace(
         cfg,
-        data=dataclasses.replace(cfg.data, prepared_dir=absolute(cfg.data.prepared_dir, base_dir)),
+        data=data,
         cluster=dataclasses.replace(
             cfg.cluster, storage_path=absolute(cfg.cluster.storage_path, base_dir)
         ),
@@ -268,6 +286,12 @@ def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:
             cfg.tracking, tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri, base_dir)
         ),
     )
+
+
+def _data_path(path: str, base_dir: str) -> str:
+    if path == "stdlib" or not path:
+        return path
+    return absolute(str(Path(path).expanduser()) if not is_uri(path) else path, base_dir)
 
 
 # ---- the trip to the workers --------------------------------------------------------------------

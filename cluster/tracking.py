@@ -36,6 +36,7 @@ from trainer.metrics import MLflowLogger
 if TYPE_CHECKING:  # annotations only: both modules import this one
     from cluster.config import JobConfig
     from cluster.sweep import JobSlot
+    from trainer.data import PreparedInfo
 
 
 def resolve_tracking_uri(uri: str, base_dir: str, use_env: bool = True) -> str:
@@ -194,10 +195,13 @@ def ui_command(tracking_uri: str) -> str:
 # ---- one job's run, from cluster/train.py -------------------------------------------------------
 
 
-def start_tracking(cfg: JobConfig, slot: Optional[JobSlot], out_dir: str) -> Optional[str]:
+def start_tracking(
+    cfg: JobConfig, slot: Optional[JobSlot], out_dir: str, data: Optional[PreparedInfo] = None
+) -> Optional[str]:
     """The MLflow run every worker logs into: params are the resolved config, which is also an
-    artifact, with the memory plan (both written to `out_dir` too). In a sweep it is a child of
-    the parent run, named after the job's swept values. None when tracking is off."""
+    artifact, with the memory plan (both written to `out_dir` too), and the prepared data's
+    digest, size and skipped records. In a sweep it is a child of the parent run, named after
+    the job's swept values. None when tracking is off."""
     if not cfg.tracking.enabled:
         return None
     uri = cfg.tracking.tracking_uri
@@ -212,6 +216,9 @@ def start_tracking(cfg: JobConfig, slot: Optional[JobSlot], out_dir: str) -> Opt
             tags={"sweep.job": slot.num, "sweep.dir": slot.sweep_dir},
         )
     logger = MLflowLogger(uri, run_id)
+    if data is not None:
+        logger.set_tags({"data.digest": data.digest, "data.dir": data.uri})
+        logger.log_metrics(data_metrics(data), step=0)
     out = Path(out_dir)
     logger.log_artifact(write_resolved_config(cfg, out / "resolved_config.yaml"))
     plan = write_memory_plan(cfg, out / "memory_plan.txt")
@@ -223,6 +230,17 @@ def start_tracking(cfg: JobConfig, slot: Optional[JobSlot], out_dir: str) -> Opt
         flush=True,
     )
     return run_id
+
+
+def data_metrics(data: PreparedInfo) -> dict[str, float]:
+    """data/* of the prepared dataset: its size, and the records skipped by reason."""
+    m = {
+        "data/tokens": float(data.num_tokens),
+        "data/documents": float(data.num_documents),
+        "data/files": float(data.num_files),
+    }
+    m.update({f"data/skipped_{reason}": float(n) for reason, n in data.skipped.items()})
+    return m
 
 
 def write_resolved_config(cfg: JobConfig, path: Path) -> str:

@@ -6,9 +6,11 @@
     elastic-fsdp-train ...                                    # the same, as a console script
 
 The story of one job, top to bottom: compose and validate the config (every error before any
-worker starts), prepare the data once, start or join Ray, create the MLflow run (with the resolved
+worker starts), start or join Ray, prepare the data once, create the MLflow run (with the resolved
 config and the memory plan), run the Ray Train V2 TorchTrainer (cluster/worker.py in each
-worker), log the loss curve, and say where the results are. In a sweep (-m) each job is one such
+worker), log the loss curve, and say where the results are. Data preparation (tokenizing the
+sources into token shards, cluster/prepare.py) runs once, after Ray is up: on Ray Data for large
+sources. In a sweep (-m) each job is one such
 story; cluster/sweep.py checks all of them before the first, starts Ray once, and makes each
 job's run a child of the sweep's parent run.
 """
@@ -40,12 +42,12 @@ def hydra_main(dictcfg: DictConfig) -> Optional[dict]:
     out_dir = HydraConfig.get().runtime.output_dir  # this job's Hydra outputs
     slot = current_slot()  # this job's place in a sweep; None for a plain run
     cfg = config_or_exit(dictcfg, launch_dir, slot)
-    prepare_data(cfg)
     connect_largest([cfg])  # before the MLflow run exists: an unreachable Ray leaves no run
-    run_id = start_tracking(cfg, slot, out_dir)
+    data = prepare(cfg)  # once; on Ray Data for large sources
+    run_id = start_tracking(cfg, slot, out_dir, data)
     result = None
     try:
-        result = fit(cfg, run_id)
+        result = fit(cfg, run_id, data.uri)
     finally:
         if run_id:
             finish_tracking(cfg, run_id, slot, out_dir, ok=result is not None)
@@ -69,21 +71,18 @@ def config_or_exit(dictcfg: DictConfig, launch_dir: str, slot: Optional[JobSlot]
         sys.exit(2)
 
 
-def prepare_data(cfg: JobConfig) -> None:
-    """Tokenise the corpus into Parquet shards once, on the driver; workers only read them."""
-    from trainer.data import prepare  # noqa: PLC0415 -- torch, pyarrow: after the config checks
+def prepare(cfg: JobConfig):
+    """Tokenize the sources once (cluster/prepare.py); later runs find the preparation."""
+    from cluster.prepare import prepare_data  # noqa: PLC0415 -- torch: after the config checks
 
-    info = prepare(cfg.data)
-    state = "prepared now" if info.created else "already prepared"
-    print(
-        f"data: {info.num_tokens:,} tokens from {info.num_files} files in {info.uri} ({state})",
-        flush=True,
-    )
+    return prepare_data(cfg)
 
 
-def fit(cfg: JobConfig, run_id: Optional[str]):
+def fit(cfg: JobConfig, run_id: Optional[str], data_dir: str):
     """Run the TorchTrainer to completion; Ray retries failures up to cluster.max_failures."""
-    launch = LaunchInfo(checkpoint_root=cfg.checkpoint_root, mlflow_run_id=run_id)
+    launch = LaunchInfo(
+        checkpoint_root=cfg.checkpoint_root, mlflow_run_id=run_id, data_dir=data_dir
+    )
     trainer = build_trainer(cfg, worker_config(job_to_dict(cfg), launch))
     return trainer.fit()
 

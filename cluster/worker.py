@@ -27,6 +27,8 @@ class LaunchInfo:
     """Where this run's checkpoints live: <storage_path>/<run_name>/checkpoints."""
     mlflow_run_id: Optional[str] = None
     """The run the driver created; None when tracking is disabled."""
+    data_dir: Optional[str] = None
+    """The prepared dataset the driver prepared (or found) for this run."""
     launch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """One per launch of the run (each `fit`): worker-group restarts are counted within it."""
 
@@ -75,6 +77,7 @@ def train_loop_per_worker(config: dict) -> None:
         local_rank=context.get_local_rank(),
         local_world_size=context.get_local_world_size(),
         checkpoint_root=launch.checkpoint_root,
+        data_dir=launch.data_dir,
         # The loop takes the newest valid checkpoint in checkpoint_root itself. That is never
         # older than Ray's latest report (a checkpoint is committed before it is reported) and
         # is newer when a worker died between commit and report, so Ray's is not passed here.

@@ -2,7 +2,7 @@
 commit, resume with the all-ranks fallback, and the trainer state stored with every checkpoint.
 
     ckpt = Checkpointer(cfg, root, model, optimizer, scaler, rank=r, world_size=w, device=d,
-                        group=control_group, on_commit=report)
+                        control=control_group, on_commit=report)
     step = ckpt.resume()        # 0, or the step of the newest checkpoint every rank can load
     ...                         # train step `step`, then:
     ckpt.after_step(step + 1)   # saves every train.checkpoint_every steps; reports commits
@@ -14,7 +14,9 @@ keys), and `TrainerState`: the step (which IS the data position), the RNG, the l
 are asynchronous: the loop waits only for the copy to host memory. Step N is reported
 (`on_commit`, Ray's checkpoint report under Ray) once its manifest is committed, at the first step
 boundary after that, on every rank together: the ranks agree that the save is done with one
-small all-reduce on `group` (gloo, CPU: no device sync) per step while a save is in flight.
+small all-reduce on `control` (gloo, CPU: no device sync) per step while a save is in flight.
+The writer's barrier runs on a group of its own, created here: it runs on the writer's background
+thread, and two threads must never issue collectives on one group (gloo matches them by order).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class TrainerState:
     grad_scaler: dict
     rng_cpu: str
     """torch's CPU RNG state, base64."""
+    data: dict
+    """What the sample order depends on besides the step (trainer.loop.data_identity): the
+    prepared dataset's digest, seq_len, seed and the mix weights."""
 
     @classmethod
     def of(
@@ -81,6 +86,7 @@ class TrainerState:
         world_size: int,
         optimizer: torch.optim.Optimizer,
         scaler: ShardedGradScaler,
+        data: dict,
     ) -> "TrainerState":
         steps_taken = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
         return cls(
@@ -95,6 +101,7 @@ class TrainerState:
             model_digest=model_digest(cfg.model),
             grad_scaler=scaler.state_dict(),
             rng_cpu=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            data=data,
         )
 
     def to_json(self) -> dict:
@@ -142,6 +149,59 @@ def load_state(
         )
 
 
+def data_identity(cfg: TrainerConfig, digest: str) -> dict:
+    """What the sample order depends on besides the step: a run resumes only on the same."""
+    return {
+        "digest": digest,
+        "seq_len": cfg.data.seq_len,
+        "seed": cfg.data.seed,
+        "weights": [s.weight for s in cfg.data.sources()],
+    }
+
+
+def preflight_resume(root: str, cfg: TrainerConfig, data: dict) -> Optional[str]:
+    """Before any worker starts: ConfigError if the newest committed checkpoint under `root`
+    cannot continue this config (check_resumable); its path, or None when there is none."""
+    for info in list_checkpoints(root):
+        if info.problem:
+            continue
+        try:
+            state = CheckpointReader(info.path).state
+        except CheckpointError:
+            continue  # the workers fall back past it, as they do at resume
+        check_resumable(state, cfg, data, info.path)
+        return info.path
+    return None
+
+
+def check_resumable(state: dict, cfg: TrainerConfig, data: dict, path: str) -> None:
+    """ConfigError, saying what differs and what to do, when the checkpoint at `path` (its
+    `state`) cannot continue this config: another model shape, global batch or data order.
+    The driver calls it before any worker starts; every worker again before loading."""
+    if state.get("model_digest") != model_digest(cfg.model):
+        raise ConfigError(
+            f"invalid config: the checkpoint at {path} was written for model "
+            f"{state.get('model_config')}, not {dataclasses.asdict(cfg.model)}; "
+            "valid: the same model config, or a new cluster.run_name"
+        )
+    if state.get("global_batch_size") != cfg.train.global_batch_size:
+        raise ConfigError(
+            f"invalid config: train.global_batch_size={cfg.train.global_batch_size} "
+            f"but the checkpoint at {path} was trained with {state.get('global_batch_size')}; "
+            "valid: the same global batch (the data position depends on it)"
+        )
+    saved = state.get("data") or {}
+    changed = sorted(k for k in set(saved) | set(data) if saved.get(k) != data.get(k))
+    if data and changed:
+        what = ", ".join(f"{k}: {saved.get(k)!r} then, {data.get(k)!r} now" for k in changed)
+        raise ConfigError(
+            f"invalid config: the checkpoint at {path} was trained on other data ({what}); "
+            "resuming would repeat and skip samples. valid: the same data.* settings and "
+            "unchanged source files (a prepared dataset is named by the digest of its files, "
+            "tokenizer and settings), or a new cluster.run_name"
+        )
+
+
 class Checkpointer:
     """One rank's checkpointing of one run: cadence, async save, commit report, resume."""
 
@@ -156,23 +216,29 @@ class Checkpointer:
         rank: int,
         world_size: int,
         device: torch.device,
-        group: Optional[dist.ProcessGroup] = None,
+        control: Optional[dist.ProcessGroup] = None,
         resume_from: Optional[str] = None,
         on_commit: Optional[Callable[[str, int], None]] = None,
         log=print,
+        data_identity: Optional[dict] = None,
     ):
-        """`root`: this run's checkpoint folder (a path or pyarrow.fs URI). `group`: a gloo group
-        of all ranks, for the save barrier and the agreements (None with one rank).
+        """`root`: this run's checkpoint folder (a path or pyarrow.fs URI). `control`: a gloo
+        group of all ranks for the agreements, used from this (the training) thread only; the
+        save barrier gets a gloo group of its own (both None with one rank).
         `resume_from`: a checkpoint to resume from instead of the newest valid one under root.
         `on_commit(path, step)`: called on every rank once step's checkpoint is committed.
-        `log`: prints on rank 0 (the loop's print0)."""
+        `log`: prints on rank 0 (the loop's print0). `data_identity`: what the sample order
+        depends on (trainer.loop.data_identity); a checkpoint of another one is refused."""
         self.cfg, self.root = cfg, root
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.rank, self.world, self.device, self.group = rank, world_size, device, group
+        self.rank, self.world, self.device, self.control = rank, world_size, device, control
+        # Collective: every rank creates it, in the same order as its other groups.
+        barrier_group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.resume_from, self.on_commit, self.log = resume_from, on_commit, log
+        self.data_identity = data_identity or {}
         self.every, self.total = cfg.train.checkpoint_every, cfg.train.steps
         self.writer = CheckpointWriter(
-            root, keep=cfg.train.keep_checkpoints, async_save=True, group=group
+            root, keep=cfg.train.keep_checkpoints, async_save=True, group=barrier_group
         )
         self.start_step = 0
         self.resumed_from: Optional[str] = None
@@ -191,7 +257,9 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Start an asynchronous save of `step`; the previous one is waited for and reported."""
         self._report()
-        state = TrainerState.of(self.cfg, step, self.world, self.optimizer, self.scaler)
+        state = TrainerState.of(
+            self.cfg, step, self.world, self.optimizer, self.scaler, self.data_identity
+        )
         self.writer.save(
             step, self.rank, self.world, state_chunks(self.model, self.optimizer), state.to_json()
         )
@@ -254,19 +322,7 @@ class Checkpointer:
         except CheckpointError as e:
             return str(e), None
         st = reader.state
-        cfg = self.cfg
-        if st.get("model_digest") != model_digest(cfg.model):
-            raise ConfigError(
-                f"invalid config: the checkpoint at {path} was written for model "
-                f"{st.get('model_config')}, not {dataclasses.asdict(cfg.model)}; "
-                "valid: the same model config, or a new cluster.run_name"
-            )
-        if st["global_batch_size"] != cfg.train.global_batch_size:
-            raise ConfigError(
-                f"invalid config: train.global_batch_size={cfg.train.global_batch_size} "
-                f"but the checkpoint at {path} was trained with {st['global_batch_size']}; "
-                "valid: the same global batch (the data position depends on it)"
-            )
+        check_resumable(st, self.cfg, self.data_identity, path)
         try:
             load_state(self.model, self.optimizer, reader, st["optim_step"], self.device)
         except CheckpointError as e:
@@ -294,5 +350,5 @@ class Checkpointer:
         if self.world == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return bool(t.item())

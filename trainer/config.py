@@ -13,6 +13,7 @@ Model presets (`model=8b` on the command line) have one home: `PRESETS` below.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,6 +25,7 @@ __all__ = [
     "DType",
     "DataConfig",
     "ModelConfig",
+    "SourceConfig",
     "OptimConfig",
     "ShardingConfig",
     "ShardingStrategy",
@@ -41,7 +43,7 @@ class ModelConfig:
     name: str = "tiny"
     """Preset name, for the record (tiny, 125m, 1b, 8b)."""
     vocab_size: int = 256
-    """Vocabulary size; byte-level data needs at least 256."""
+    """Vocabulary size: at least the tokenizer's (byte-level data: 256)."""
     dim: int = 256
     """Model width (hidden size)."""
     n_layers: int = 4
@@ -66,8 +68,6 @@ class ModelConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v <= 0:
                 fail(f"model.{key}", v, "a positive integer")
-        if self.vocab_size < 256:
-            fail("model.vocab_size", self.vocab_size, "at least 256 (byte-level tokens)")
         if self.dim % self.n_heads:
             fail("model.n_heads", self.n_heads, f"a divisor of model.dim={self.dim}")
         kv = self.kv_heads
@@ -170,26 +170,99 @@ class OptimConfig:
             fail("optim.grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
 
 
+FORMATS = ("auto", "text", "jsonl", "parquet")
+PREPARE_WITH = ("auto", "ray", "process")
+
+
+@dataclass
+class SourceConfig:
+    """One source of documents in a weighted mix (data.mix)."""
+
+    path: str = ""
+    """'stdlib', a file, a folder, a glob or a pyarrow.fs URI (s3://bucket/corpus/*.parquet)."""
+    weight: float = 1.0
+    """Share of the training sequences drawn from this source (weights are normalised)."""
+    format: str = "auto"
+    """text (a file is a document), jsonl (a record is a document), parquet (a row is a
+    document), or auto (by file extension)."""
+    text_column: str = "text"
+    """The document's text: the JSON field of a jsonl record or the column of a Parquet row."""
+
+    def validate(self, key: str = "data.mix[]") -> None:
+        if not self.path:
+            fail(f"{key}.path", self.path, "a file, folder, glob or URI")
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            fail(f"{key}.weight", self.weight, "a positive number")
+        if self.format not in FORMATS:
+            fail(f"{key}.format", self.format, ", ".join(FORMATS))
+        if not self.text_column:
+            fail(f"{key}.text_column", self.text_column, "a field or column name")
+
+
 @dataclass
 class DataConfig:
-    """Byte-level token data: text files turned once into Parquet token shards."""
+    """Documents from files or object storage, tokenized once into token shards, then streamed.
+
+    python -m trainer.data inspect <prepared_dir> shows what a preparation holds."""
 
     source: str = "stdlib"
-    """'stdlib' (the Python standard library's source files) or a text file / folder path."""
+    """'stdlib' (the Python standard library's source files), a file, a folder, a glob or a
+    pyarrow.fs URI (s3://, gs://, hdfs://); ignored when data.mix is set."""
+    format: str = "auto"
+    """text, jsonl, parquet, or auto (by file extension: .jsonl/.json(.gz|.zst), .parquet,
+    anything else is text)."""
+    text_column: str = "text"
+    """The document's text: the JSON field of a jsonl record or the column of a Parquet row."""
+    mix: list[SourceConfig] = field(default_factory=list)
+    """Several sources with weights, instead of data.source."""
+    tokenizer: str = "byte"
+    """'byte' (256 byte values, end of document = 0) or a Hugging Face tokenizer.json (path or
+    pyarrow.fs URI); `python -m trainer.data train-tokenizer` makes one."""
+    eod_token: Optional[str] = None
+    """The tokenizer's end-of-document token; None finds it by its usual names."""
     prepared_dir: str = "data/prepared"
-    """Where the Parquet token shards are written and read (a path or pyarrow.fs URI)."""
-    max_bytes: int = 64 * 2**20
-    """Cap on the bytes of text taken from the source when preparing (0 = no cap)."""
+    """Where the token shards and their manifest are written and read (a path or URI)."""
+    max_bytes: int = 0
+    """Cap on the input bytes taken from each source when preparing (0 = no cap)."""
+    eval_fraction: float = 0.0
+    """Documents held out for evaluation, chosen by a hash of their content (0 = none)."""
+    eval_sequences: int = 64
+    """Sequences of the held-out documents that train.eval_every evaluates (a fixed set)."""
     seq_len: int = 128
     """Tokens per training sequence."""
     seed: int = 0
-    """Seed of the global sample order (a function of seed and epoch only)."""
+    """Seed of the global sample order (a function of seed, epoch and position only)."""
+    prefetch_steps: int = 2
+    """Steps of batches each worker reads ahead in the background (its memory bound)."""
+    prepare_with: str = "auto"
+    """ray (Ray Data tasks on the cluster's CPUs), process (this process), or auto: Ray Data
+    when the sources hold more than 256 MiB."""
 
     def validate(self) -> None:
         if self.seq_len <= 0:
             fail("data.seq_len", self.seq_len, "a positive integer")
         if self.max_bytes < 0:
             fail("data.max_bytes", self.max_bytes, "an integer >= 0 (0 = no cap)")
+        if not 0 <= self.eval_fraction < 1:
+            fail("data.eval_fraction", self.eval_fraction, "a number in [0, 1)")
+        if self.eval_sequences <= 0:
+            fail("data.eval_sequences", self.eval_sequences, "a positive integer")
+        if self.prefetch_steps <= 0:
+            fail("data.prefetch_steps", self.prefetch_steps, "a positive integer")
+        if self.prepare_with not in PREPARE_WITH:
+            fail("data.prepare_with", self.prepare_with, ", ".join(PREPARE_WITH))
+        if not self.mix and not self.source:
+            fail("data.source", self.source, "'stdlib', a file, a folder, a glob or a URI")
+        for i, source in enumerate(self.mix):
+            source.validate(f"data.mix[{i}]")
+        if not self.tokenizer:
+            fail("data.tokenizer", self.tokenizer, "'byte' or the path/URI of a tokenizer.json")
+
+    def sources(self) -> list[SourceConfig]:
+        """The sources, as a mix: data.mix, or data.source alone with weight 1."""
+        if self.mix:
+            return list(self.mix)
+        return [SourceConfig(self.source, 1.0, self.format, self.text_column)]
 
 
 @dataclass
@@ -211,6 +284,9 @@ class TrainConfig:
     Checkpoints go to <cluster.storage_path>/<cluster.run_name>/checkpoints."""
     keep_checkpoints: int = 3
     """Newest checkpoints to keep."""
+    eval_every: int = 0
+    """Evaluate the loss on data.eval_sequences held-out sequences every this many steps and at
+    the end (0 = never; needs data.eval_fraction > 0)."""
     device: str = "auto"
     """'auto' (cuda if the worker has a GPU), 'cpu' or 'cuda'."""
 
@@ -223,6 +299,8 @@ class TrainConfig:
             fail("train.checkpoint_every", self.checkpoint_every, "an integer >= 0")
         if self.keep_checkpoints < 1:
             fail("train.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
+        if self.eval_every < 0:
+            fail("train.eval_every", self.eval_every, "an integer >= 0 (0 = never)")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("train.device", self.device, "auto, cpu or cuda")
 
@@ -246,5 +324,11 @@ class TrainerConfig:
                 "data.seq_len",
                 self.data.seq_len,
                 f"at most model.max_seq_len={self.model.max_seq_len}",
+            )
+        if self.train.eval_every and not self.data.eval_fraction:
+            fail(
+                "train.eval_every",
+                self.train.eval_every,
+                "0, or a positive number with data.eval_fraction > 0 (the held-out documents)",
             )
         return self

@@ -18,6 +18,7 @@ close (the last save committed and reported). The invariants that make it elasti
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -25,9 +26,17 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.checkpointing import Checkpointer
+from trainer.checkpointing import Checkpointer, data_identity
 from trainer.config import DType, TrainerConfig
-from trainer.data import Batcher, global_tokens_per_step, load_tokens
+from trainer.data import (
+    EVAL_TAG,
+    Batches,
+    Loader,
+    PreparedData,
+    check_vocab,
+    find_dataset,
+    global_tokens_per_step,
+)
 from trainer.device import resolve_device
 from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
@@ -46,6 +55,9 @@ class WorkerContext:
     local_world_size: int = 1
     checkpoint_root: str = "runs/checkpoints"
     """Where this run's checkpoints live (a path or pyarrow.fs URI)."""
+    data_dir: Optional[str] = None
+    """The prepared dataset (the launcher passes the one it prepared); None -> the only
+    preparation under cfg.data.prepared_dir."""
     resume_from: Optional[str] = None
     """A checkpoint to resume from; None -> the newest valid one in checkpoint_root."""
     on_checkpoint: Optional[Callable[[str, int], None]] = None
@@ -62,6 +74,9 @@ class WorkerContext:
     after_step: Optional[Callable[[int, dict], Optional[dict]]] = None
     """Called on every rank after each logged step with (step, metrics); a returned dict is merged
     into the metrics that rank 0 logs (the cluster layer adds elastic/* this way)."""
+    record_samples: bool = False
+    """Keep (step, source, sample id) of every sequence this rank trained on, in the result (for
+    audits and the exactly-once tests; costs memory proportional to the run)."""
 
 
 @dataclass
@@ -72,16 +87,29 @@ class TrainResult:
     last_checkpoint: Optional[str] = None
     resumed_from: Optional[str] = None
     start_step: int = 0
+    samples: list = field(default_factory=list)
+    """(step, source, sample id) trained by this rank, when WorkerContext.record_samples."""
+    eval_losses: list = field(default_factory=list)  # (step, eval loss)
 
 
 class Trainer:
-    """One rank's run: the wrapped model, optimizer, data and checkpointing."""
+    """One rank's run: the data, the wrapped model, the optimizer and checkpointing."""
 
     def __init__(self, cfg: TrainerConfig, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
         self.rank, self.world = ctx.rank, ctx.world_size
         self.log = ctx.logger or NullLogger()
         self.device = resolve_device(cfg.train.device, ctx.local_rank, ctx.device)
+        d, t = cfg.data, cfg.train
+        self.data = PreparedData.open(ctx.data_dir or find_dataset(d.prepared_dir))
+        check_vocab(cfg, self.data.vocab_size, self.data.manifest.tokenizer["name"])  # early
+        weights = [s.weight for s in d.sources()]
+        self.batches = Batches(self.data, d.seq_len, d.seed, t.global_batch_size, weights)
+        self.eval_batches = None
+        if t.eval_every:
+            self.eval_batches = Batches(
+                self.data, d.seq_len, d.seed, d.eval_sequences, weights, "eval", EVAL_TAG
+            )
         if self.device.type == "cuda":
             self._check_device_memory()
         self.mesh = build_mesh(cfg.sharding, self.rank, self.world, ctx.local_world_size)
@@ -90,21 +118,14 @@ class Trainer:
             cfg.sharding,
             self.mesh,
             self.device,
-            init_fn=initializer(cfg.train.seed),
+            init_fn=initializer(t.seed),
         )
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = ShardedGradScaler(enabled=cfg.sharding.param_dtype is DType.float16)
-        self.batcher = Batcher(
-            load_tokens(cfg.data.prepared_dir),
-            cfg.data.seq_len,
-            cfg.data.seed,
-            cfg.train.global_batch_size,
-        )
-        self.global_tokens = global_tokens_per_step(cfg.train.global_batch_size, cfg.data.seq_len)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        # A gloo group of all ranks besides the engine's: the checkpoint barrier runs on a
-        # background thread and must never interleave with the engine's collectives, and the
-        # per-step agreements (stop, save committed) stay on the CPU.
+        self.global_tokens = global_tokens_per_step(t.global_batch_size, d.seq_len)
+        self.flops_per_token = flops_per_token(cfg.model, d.seq_len)
+        # A gloo group of all ranks besides the engine's, for the per-step agreements (stop,
+        # save committed): on the CPU, so they cost no device sync.
         self.control = dist.new_group(backend="gloo") if self.world > 1 else None
         self.checkpointer = Checkpointer(
             cfg,
@@ -115,43 +136,58 @@ class Trainer:
             rank=self.rank,
             world_size=self.world,
             device=self.device,
-            group=self.control,
+            control=self.control,
             resume_from=ctx.resume_from,
             on_commit=ctx.on_checkpoint,
             log=self.print0,
+            data_identity=data_identity(cfg, self.data.digest),
         )
         self.step = 0
+        self.loader: Optional[Loader] = None
+        self.result = TrainResult(0, float("nan"))
 
     def _check_device_memory(self) -> None:
         """Fail before allocating, with the planner's breakdown, if the job cannot fit."""
         from trainer.plan import check_fits  # noqa: PLC0415 -- the planner's tracing: CUDA only
 
         torch.cuda.set_device(self.device)
-        check_fits(
-            self.cfg,
-            self.world,
-            torch.cuda.get_device_properties(self.device).total_memory,
-            self.ctx.local_world_size,
-        )
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        check_fits(self.cfg, self.world, total, self.ctx.local_world_size)
 
     def run(self) -> TrainResult:
-        start = self.step = self.checkpointer.resume()
-        losses, loss = [], float("nan")
-        while self.step < self.cfg.train.steps:
-            if self.stop_requested():
-                self.print0(
-                    f"stop requested at step {self.step}: saving a checkpoint before leaving"
-                )
-                break
-            if self.ctx.before_step is not None:
-                self.ctx.before_step(self.step)
-            t0 = time.perf_counter()
-            loss, norm = self.train_step()
-            losses.append((self.step - 1, loss))
-            self.log_step(loss, norm, time.perf_counter() - t0)
-            self.checkpointer.after_step(self.step)
-        last = self.checkpointer.close(self.step)
-        return TrainResult(self.step, loss, losses, last, self.checkpointer.resumed_from, start)
+        r = self.result
+        r.start_step = self.step = self.checkpointer.resume()
+        self.loader = Loader(
+            self.batches,
+            self.rank,
+            self.world,
+            self.cfg.train.micro_batches,
+            self.step,
+            self.cfg.train.steps,
+            self.cfg.data.prefetch_steps,
+            pin=self.device.type == "cuda",
+        )
+        try:
+            while self.step < self.cfg.train.steps:
+                if self.stop_requested():
+                    self.print0(
+                        f"stop requested at step {self.step}: saving a checkpoint before leaving"
+                    )
+                    break
+                if self.ctx.before_step is not None:
+                    self.ctx.before_step(self.step)
+                t0 = time.perf_counter()
+                loss, norm = self.train_step()
+                seconds = time.perf_counter() - t0
+                r.losses.append((self.step - 1, loss))
+                r.final_loss = loss
+                self.log_step(loss, norm, seconds, self.maybe_evaluate())
+                self.checkpointer.after_step(self.step)
+        finally:
+            self.loader.close()
+        r.last_checkpoint = self.checkpointer.close(self.step)
+        r.steps_done, r.resumed_from = self.step, self.checkpointer.resumed_from
+        return r
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
@@ -160,9 +196,12 @@ class Trainer:
         n_micro = self.cfg.train.micro_batches
         set_lr(self.optimizer, lr_at(self.cfg.optim, self.cfg.train.steps, self.step))
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
-        micro = self.batcher.micro_batches(self.step, self.rank, self.world, n_micro)
-        for k, mb in enumerate(micro):
-            mb = mb.to(self.device)
+        for k, mb in enumerate(self.loader.next(self.step)):
+            if self.ctx.record_samples and mb.weight:
+                self.result.samples += [
+                    (self.step, int(s), int(i)) for s, i in zip(mb.sources, mb.sample_ids)
+                ]
+            mb = mb.to(self.device, non_blocking=True)
             sync = k == n_micro - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 s, _ = loss_sum(self.model(mb.inputs), mb.targets, mb.weight)
@@ -179,6 +218,22 @@ class Trainer:
         self.step += 1
         return float(loss_total) / self.global_tokens, float(norm)
 
+    def maybe_evaluate(self) -> Optional[float]:
+        """The loss on the fixed held-out sequences, every train.eval_every steps and at the end."""
+        every = self.cfg.train.eval_every
+        if not every or (self.step % every and self.step != self.cfg.train.steps):
+            return None
+        loss = evaluate(
+            self.model, self.eval_batches, self.rank, self.world, self.eval_rows(), self.device
+        )
+        self.result.eval_losses.append((self.step - 1, loss))
+        return loss
+
+    def eval_rows(self) -> int:
+        """Sequences per evaluation forward: the training micro-batch's, so memory is as trained."""
+        per_rank = -(-self.cfg.train.global_batch_size // self.world)
+        return max(1, -(-per_rank // self.cfg.train.micro_batches))
+
     def stop_requested(self) -> bool:
         """Any rank asked to stop (a drain reaches one node first): all ranks agree, or they
         deadlock."""
@@ -189,10 +244,17 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag.item())
 
-    def log_step(self, loss: float, norm: float, seconds: float) -> None:
-        """Every train.log_every steps (and the last): one line on rank 0, metrics to MLflow."""
+    def log_step(
+        self, loss: float, norm: float, seconds: float, eval_loss: Optional[float]
+    ) -> None:
+        """Every train.log_every steps (and the last, and every evaluation): one line on rank 0,
+        metrics to MLflow."""
         step = self.step - 1  # the step just trained
-        if step % self.cfg.train.log_every and self.step != self.cfg.train.steps:
+        if (
+            step % self.cfg.train.log_every
+            and self.step != self.cfg.train.steps
+            and eval_loss is None
+        ):
             return
         m = step_metrics(
             loss=loss,
@@ -206,10 +268,14 @@ class Trainer:
             param_dtype=self.cfg.sharding.param_dtype,
         )
         m.update(self.model.metrics(self.optimizer))
+        evaluated = ""
+        if eval_loss is not None:
+            m["eval/loss"], m["eval/perplexity"] = eval_loss, math.exp(min(eval_loss, 80.0))
+            evaluated = f" | eval {eval_loss:.4f}"
         if self.ctx.after_step is not None:
             m.update(self.ctx.after_step(step, m) or {})
         self.print0(
-            f"step {step:5d} | loss {loss:.4f} | lr {m['train/lr']:.2e} | "
+            f"step {step:5d} | loss {loss:.4f}{evaluated} | lr {m['train/lr']:.2e} | "
             f"gnorm {norm:.3f} | {m['perf/tokens_per_s']:8.0f} tok/s | "
             f"{seconds * 1000:7.1f} ms | world {self.world}"
         )
@@ -218,6 +284,24 @@ class Trainer:
     def print0(self, msg: str) -> None:
         if self.rank == 0:
             print(msg, flush=True)
+
+
+def evaluate(
+    model, batches: Batches, rank: int, world: int, rows: int, device: torch.device
+) -> float:
+    """Mean token loss over batches' first global_batch positions, all ranks together (every rank
+    runs the same number of forwards: the engine gathers parameters collectively)."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for mb in batches.fixed_micro_batches(batches.global_batch, rank, world, rows):
+            mb = mb.to(device, non_blocking=True)
+            s, n = loss_sum(model(mb.inputs), mb.targets, mb.weight)
+            total += torch.stack(
+                [s.double(), torch.tensor(float(n), dtype=torch.float64, device=device)]
+            )
+    if world > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 def run_training(cfg: TrainerConfig, ctx: WorkerContext) -> TrainResult:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.s3_server import s3_server, s3_uri
 from trainer.checkpoint import CheckpointReader, latest_checkpoint, verify
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 BUCKET = "ckpt"
 
@@ -14,41 +15,12 @@ BUCKET = "ckpt"
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """host:port of a moto S3 server on 127.0.0.1 (an ephemeral port), stopped afterwards."""
-    mp = pytest.MonkeyPatch()
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        mp.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        _create_bucket(f"{host}:{port}")
-        yield f"{host}:{port}"
-    finally:
-        server.stop()
-        mp.undo()
-
-
-def _create_bucket(endpoint: str) -> None:
-    from pyarrow import fs
-
-    s3 = fs.S3FileSystem(
-        endpoint_override=endpoint,
-        scheme="http",
-        region="us-east-1",
-        access_key="testing",
-        secret_key="testing",
-        allow_bucket_creation=True,
-    )
-    s3.create_dir(BUCKET)
+    with s3_server(BUCKET) as endpoint:
+        yield endpoint
 
 
 def _uri(endpoint: str, prefix: str) -> str:
-    return f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http&region=us-east-1"
+    return s3_uri(endpoint, BUCKET, prefix)
 
 
 def test_reshard_round_trip_through_s3(s3_endpoint, tensors, ck):

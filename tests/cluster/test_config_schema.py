@@ -17,7 +17,7 @@ from cluster.config import (
     with_absolute_paths,
 )
 from cluster.ray_launch import build_trainer, local_num_cpus
-from trainer.config import PRESETS
+from trainer.config import PRESETS, ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUP_OPTIONS = {
@@ -46,8 +46,22 @@ def test_each_group_has_the_options_the_issues_name():
     "group,option", [(g, o) for g, opts in GROUP_OPTIONS.items() for o in opts]
 )
 def test_every_group_option_composes_into_a_valid_job_config(group, option):
-    cfg = composed(f"{group}={option}", "train.global_batch_size=16")
+    cfg = composed(f"{group}={option}", "train.global_batch_size=16", *REQUIRED.get(option, ()))
     assert isinstance(cfg, JobConfig) and cfg.validate() is cfg
+
+
+# The options that describe a user's own data leave its location (and tokenizer) to the user.
+REQUIRED = {
+    "jsonl": ("data.source=/corpus", "data.tokenizer=/tok.json"),
+    "parquet": ("data.source=s3://b/*.parquet", "data.tokenizer=s3://b/tok.json"),
+    "text": ("data.source=/corpus",),
+}
+
+
+@pytest.mark.parametrize("option", sorted(REQUIRED))
+def test_a_data_option_without_its_source_is_refused_naming_the_key(option):
+    with pytest.raises(ConfigError, match=r"data\.source=''"):
+        composed(f"data={option}").validate()
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ ALWAYS_SHIPPED = (
     "README.md",
     "cluster/train.py",
     "trainer/config.py",
-    "trainer/data.py",
+    "trainer/data/__init__.py",
     "trainer/fsdp/flat_param.py",
     "conf/config.yaml",
     "conf/data/stdlib.yaml",

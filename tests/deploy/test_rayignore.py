@@ -38,7 +38,7 @@ CODE = (
     "pyproject.toml",
     "cluster/train.py",
     "trainer/config.py",
-    "trainer/data.py",
+    "trainer/data/__init__.py",
     "conf/config.yaml",
     "conf/data/stdlib.yaml",
     "conf/cluster/ray.yaml",

@@ -1,0 +1,63 @@
+"""Data: documents from files or object storage -> token shards (once) -> each worker's batches.
+
+    info = prepare(cfg.data)                          # sources.py, tokenizer.py, prepare.py
+    data = PreparedData.open(info.uri)                # dataset.py: manifest + token streams
+    batches = Batches(data, seq_len, seed, global_batch, weights)   # loader.py, sampler.py
+    loader = Loader(batches, rank, world, micro_batches, start, stop, depth)
+
+    python -m trainer.data inspect data/prepared      # what a preparation holds, a decoded sample
+    python -m trainer.data train-tokenizer data.source=corpus/ --vocab-size 32000 --out tok.json
+    python -m trainer.data prepare data.source=corpus/ data.tokenizer=tok.json   # in this process
+    python -m cluster.prepare data.source=s3://...    # the same on Ray Data, on a cluster
+
+The data order is a pure function of (seed, epoch, global position) over the prepared dataset's
+global index (sampler.py), so a run resumes exactly at any world size.
+"""
+
+from .dataset import MANIFEST, DataError, PreparedData, TokenStream, find_dataset
+from .loader import EVAL_TAG, Batches, Loader, MicroBatch
+from .preparation import (
+    PreparedInfo,
+    WorkUnit,
+    check_vocab,
+    dataset_dir,
+    plan_and_check,
+    plan_preparation,
+    prepare,
+    process_unit,
+)
+from .sampler import GlobalOrder, Permutation, global_tokens_per_step, rank_range
+from .sources import InputFile, detect_format, list_files
+from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype, train_tokenizer
+
+__all__ = [
+    "Batches",
+    "ByteTokenizer",
+    "DataError",
+    "EVAL_TAG",
+    "GlobalOrder",
+    "HFTokenizer",
+    "InputFile",
+    "Loader",
+    "MANIFEST",
+    "MicroBatch",
+    "Permutation",
+    "PreparedData",
+    "PreparedInfo",
+    "TokenStream",
+    "WorkUnit",
+    "check_vocab",
+    "dataset_dir",
+    "detect_format",
+    "find_dataset",
+    "global_tokens_per_step",
+    "list_files",
+    "load_tokenizer",
+    "plan_and_check",
+    "plan_preparation",
+    "prepare",
+    "process_unit",
+    "rank_range",
+    "token_dtype",
+    "train_tokenizer",
+]

@@ -1,0 +1,196 @@
+"""Command line: look into a prepared dataset, train a tokenizer, prepare in this process.
+
+    python -m trainer.data inspect data/prepared                 # every preparation under it
+    python -m trainer.data inspect data/prepared/3f2a... --verify   # and check every shard's crc32
+    python -m trainer.data train-tokenizer data.source=corpus/ data.format=jsonl \\
+        --vocab-size 32000 --out tokenizer.json
+    python -m trainer.data prepare data.source=corpus/ data.tokenizer=tokenizer.json
+
+`data.<key>=<value>` arguments set the fields of trainer.config.DataConfig, as on the training
+command line. Exit codes: 0 fine, 1 a problem found (inspect --verify), 2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from trainer import storage
+from trainer.config import ConfigError, DataConfig
+
+from .dataset import MANIFEST, DataError, PreparedData
+from .preparation import plan_preparation, prepare
+from .sources import Counts, read_documents
+from .tokenizer import load_tokenizer, train_tokenizer
+
+
+def data_config(assignments: list[str]) -> DataConfig:
+    """DataConfig from `data.key=value` arguments (typed by the dataclass's fields)."""
+    hints = typing.get_type_hints(DataConfig)
+    values = {}
+    for arg in assignments:
+        key, sep, value = arg.partition("=")
+        name = key.removeprefix("data.")
+        if not sep or not key.startswith("data.") or name not in hints or name == "mix":
+            valid = ", ".join(
+                f"data.{f.name}" for f in dataclasses.fields(DataConfig) if f.name != "mix"
+            )
+            raise ConfigError(
+                f"invalid argument {arg!r}; valid: data.<key>=<value> with a key of {valid}"
+            )
+        values[name] = _typed(name, value, hints[name])
+    cfg = DataConfig(**values)
+    cfg.validate()
+    return cfg
+
+
+def _typed(name: str, value: str, hint):
+    kind = next((t for t in (int, float, bool) if hint in (t, typing.Optional[t])), str)
+    if value in ("null", "None") and typing.get_origin(hint) is typing.Union:
+        return None
+    try:
+        return {"true": True, "false": False}[value.lower()] if kind is bool else kind(value)
+    except (ValueError, KeyError):
+        raise ConfigError(
+            f"invalid config: data.{name}={value!r}; valid: a {kind.__name__}"
+        ) from None
+
+
+def cmd_inspect(path: str, verify: bool) -> int:
+    root = storage.resolve(path)
+    if storage.exists(root.child(MANIFEST)):
+        return _inspect_one(path, verify)
+    found = sorted(
+        n
+        for n, i in storage.list_dir(root).items()
+        if storage.exists(root.child(n).child(MANIFEST))
+    )
+    if not found:
+        print(f"{path}: no prepared data (no {MANIFEST} in it or in a folder below it)")
+        return 2
+    rc = 0
+    for name in found:
+        rc = max(rc, _inspect_one(str(root.child(name)), verify))
+        print()
+    return rc
+
+
+def _inspect_one(path: str, verify: bool) -> int:
+    data = PreparedData.open(path)
+    m = data.manifest
+    tok = m.tokenizer
+    print(f"prepared:   {path}\ndigest:     {m.digest}")
+    print(
+        f"tokenizer:  {tok['name']} (vocabulary {tok['vocab_size']:,}, end of document "
+        f"{tok['eod_id']}, "
+        f"tokens stored as {m.dtype})"
+    )
+    print(f"settings:   {m.settings}")
+    for i, s in enumerate(m.sources):
+        print(
+            f"source {i}:   {s.name} ({s.format}, {s.files:,} files, "
+            f"{s.input_bytes / 2**20:,.1f} MiB in)"
+        )
+        for split, index in s.splits.items():
+            if index.shards:
+                print(
+                    f"  {split:5}     {index.documents:>12,} documents {index.tokens:>14,} tokens "
+                    f"in {len(index.shards)} shards"
+                )
+        if s.skipped:
+            print(f"  skipped   {', '.join(f'{k} {v:,}' for k, v in sorted(s.skipped.items()))}")
+    _print_sample(data)
+    if verify:
+        problems = data.verify()
+        for p in problems:
+            print(f"  PROBLEM: {p}")
+        print(
+            "verify:     "
+            + (f"{len(problems)} problem(s)" if problems else "every shard's crc32 matches")
+        )
+        return 1 if problems else 0
+    return 0
+
+
+def _print_sample(data: PreparedData, tokens: int = 64) -> None:
+    stream = data.stream(0, "train")
+    ids = stream.read(0, min(tokens, len(stream)))
+    try:
+        tok = load_tokenizer(data.manifest.tokenizer["name"])
+        text = tok.decode(ids)
+    except ConfigError as e:
+        text = f"(tokenizer not readable here: {e})"
+    print(
+        f"sample:     first {len(ids)} tokens of source 0: {ids[:16].tolist()}...\n"
+        f"            decoded: {text!r}"
+    )
+
+
+def cmd_train_tokenizer(cfg: DataConfig, vocab_size: int, out: str, max_docs: int) -> int:
+    plan = plan_preparation(dataclasses.replace(cfg, tokenizer="byte"))
+    counts = Counts()
+
+    def documents():
+        n = 0
+        for source_files, spec in zip(plan.files, cfg.sources()):
+            for f in source_files:
+                for doc in read_documents(f, spec.text_column, counts):
+                    yield doc
+                    n += 1
+                    if max_docs and n >= max_docs:
+                        return
+
+    model = train_tokenizer(documents(), vocab_size)
+    storage.write_atomic(storage.resolve(out), model.to_str().encode())
+    print(
+        f"tokenizer: {model.get_vocab_size():,} tokens (asked {vocab_size:,}) from "
+        f"{counts.get('documents', 0):,} documents -> {out}"
+    )
+    return 0
+
+
+def cmd_prepare(cfg: DataConfig) -> int:
+    info = prepare(cfg)
+    state = "prepared now" if info.created else "already prepared"
+    print(
+        f"data: {info.num_tokens:,} tokens, {info.num_documents:,} documents from "
+        f"{info.num_files:,} files in {info.uri} ({state})"
+    )
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer.data",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ins = sub.add_parser("inspect", help="documents, tokens, shards, vocabulary, a decoded sample")
+    ins.add_argument("path")
+    ins.add_argument("--verify", action="store_true", help="read every shard and check its crc32")
+    tt = sub.add_parser("train-tokenizer", help="a byte-level BPE tokenizer.json from a source")
+    tt.add_argument("data", nargs="+", help="data.source=... and other data.* settings")
+    tt.add_argument("--vocab-size", type=int, required=True)
+    tt.add_argument("--out", required=True, help="where to write tokenizer.json (path or URI)")
+    tt.add_argument("--max-documents", type=int, default=0, help="train on the first N (0 = all)")
+    pr = sub.add_parser("prepare", help="tokenize into data.prepared_dir, in this process")
+    pr.add_argument("data", nargs="+", help="data.source=... and other data.* settings")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            return cmd_inspect(args.path, args.verify)
+        if args.cmd == "train-tokenizer":
+            return cmd_train_tokenizer(
+                data_config(args.data), args.vocab_size, args.out, args.max_documents
+            )
+        return cmd_prepare(data_config(args.data))
+    except (ConfigError, DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
