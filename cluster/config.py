@@ -228,17 +228,22 @@ def checked_config(
     `run_name` when given (a sweep's job). Raises ConfigError (or OmegaConf's error) naming the
     key and the value: call it before anything starts.
 
-    Besides the values themselves: the data sources list files, the tokenizer loads and fits the
-    model's vocabulary, each source's first JSONL/Parquet file has the text column, and the run's
-    newest checkpoint (if any) was trained on this model, global batch and data order (unless
-    `resume` is False: a command that does not train)."""
+    Besides the values themselves: a Hugging Face model (model.hf_path) gives the shape from its
+    config.json and holds exactly that shape's tensors, the data sources list files, the
+    tokenizer loads and fits the model's vocabulary, each source's first JSONL/Parquet file has
+    the text column, and the run's newest checkpoint (if any) was trained on this model, global
+    batch and data order (unless `resume` is False: a command that does not train)."""
     from trainer.checkpointing import data_identity, preflight_resume  # noqa: PLC0415 -- torch
     from trainer.data import plan_and_check  # noqa: PLC0415 -- torch, pyarrow: after the values
+    from trainer.hf import HFWeights, resolve_model  # noqa: PLC0415 -- torch: after the values
 
     cfg = to_job_config(dictcfg).validate()
     if run_name is not None:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, run_name=run_name))
     cfg = with_absolute_paths(cfg, launch_dir)
+    if cfg.model.hf_path:  # the shape is the checkpoint's; its tensors must be that shape's
+        cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model)).validate()
+        HFWeights(cfg.model.hf_path, cfg.model)
     plan = plan_and_check(cfg)
     if resume:
         preflight_resume(cfg.checkpoint_root, cfg, data_identity(cfg, plan.digest))
@@ -276,8 +281,11 @@ def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:
         tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer, base_dir),
         prepared_dir=absolute(d.prepared_dir, base_dir),
     )
+    hf = cfg.model.hf_path
+    model = dataclasses.replace(cfg.model, hf_path=absolute(hf, base_dir) if hf else hf)
     return dataclasses.replace(
         cfg,
+        model=model,
         data=data,
         cluster=dataclasses.replace(
             cfg.cluster, storage_path=absolute(cfg.cluster.storage_path, base_dir)

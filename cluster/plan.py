@@ -17,6 +17,7 @@ planner itself is trainer/plan.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -52,11 +53,15 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def compose_job(overrides: list[str]) -> JobConfig:
-    """The same typed, validated JobConfig training gets from these overrides."""
+    """The same typed, validated JobConfig training gets from these overrides (model=hf: the
+    shape of model.hf_path's config.json)."""
+    from trainer.hf import resolve_model  # noqa: PLC0415 -- torch: after the overrides parse
+
     register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         dictcfg = compose(config_name="config", overrides=overrides)
-    return to_job_config(dictcfg).validate()
+    cfg = to_job_config(dictcfg).validate()
+    return dataclasses.replace(cfg, model=resolve_model(cfg.model)).validate()
 
 
 def main(argv: list[str]) -> int:

@@ -38,7 +38,7 @@ from trainer.checkpoint import (
     TensorChunk,
     list_checkpoints,
 )
-from trainer.checkpoint.keys import optim_key, param_key
+from trainer.checkpoint.keys import OPTIM, optim_key, param_key
 from trainer.config import ConfigError, ModelConfig, TrainerConfig
 from trainer.fsdp import FSDPModel
 from trainer.fsdp.mixed_precision import ShardedGradScaler
@@ -47,10 +47,10 @@ from trainer.optim import lr_at
 
 
 def model_digest(model: ModelConfig) -> str:
-    """A checkpoint only loads into the same model shape."""
-    return hashlib.sha256(
-        json.dumps(dataclasses.asdict(model), sort_keys=True).encode()
-    ).hexdigest()[:16]
+    """A checkpoint only loads into the same model shape (where a Hugging Face model came from
+    is not part of its shape)."""
+    shape = {k: v for k, v in dataclasses.asdict(model).items() if k != "hf_path"}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -77,6 +77,11 @@ class TrainerState:
     data: dict
     """What the sample order depends on besides the step (trainer.loop.data_identity): the
     prepared dataset's digest, seq_len, seed and the mix weights."""
+    tokenizer: Optional[dict] = None
+    """The data's tokenizer (name: 'byte' or its tokenizer.json, vocab_size, eod_id, eod_token):
+    what an export hands over with the weights."""
+    imported_from: Optional[str] = None
+    """A Hugging Face checkpoint this step-0 checkpoint was imported from (trainer/hf.py)."""
 
     @classmethod
     def of(
@@ -87,6 +92,7 @@ class TrainerState:
         optimizer: torch.optim.Optimizer,
         scaler: ShardedGradScaler,
         data: dict,
+        tokenizer: Optional[dict] = None,
     ) -> "TrainerState":
         steps_taken = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
         return cls(
@@ -102,12 +108,15 @@ class TrainerState:
             grad_scaler=scaler.state_dict(),
             rng_cpu=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
             data=data,
+            tokenizer=tokenizer,
         )
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     def restore_rng(self) -> None:
+        if self.rng_cpu is None:  # an imported checkpoint: nothing was drawn yet
+            return
         torch.set_rng_state(
             torch.frombuffer(bytearray(base64.b64decode(self.rng_cpu)), dtype=torch.uint8)
         )
@@ -137,10 +146,11 @@ def load_state(
     optim_step: float,
     device: torch.device,
 ) -> None:
-    """Fill this rank's shards (and optimizer state) from a checkpoint of any layout, reading
-    only the element ranges this rank holds."""
+    """Fill this rank's shards (and optimizer state, when the checkpoint has some: an imported
+    one has none) from a checkpoint of any layout, reading only the element ranges this rank
+    holds."""
     load_params(model, lambda fqn, start, n: reader.read(param_key(fqn), start, n).to(device))
-    if optimizer is not None:
+    if optimizer is not None and any(k.startswith(OPTIM) for k in reader.keys()):
         load_optim(
             model,
             optimizer,
@@ -157,6 +167,11 @@ def data_identity(cfg: TrainerConfig, digest: str) -> dict:
         "seed": cfg.data.seed,
         "weights": [s.weight for s in cfg.data.sources()],
     }
+
+
+def has_checkpoint(root: str) -> bool:
+    """A committed checkpoint exists under `root`: a resume will load one (or fail loudly)."""
+    return any(info.problem is None for info in list_checkpoints(root))
 
 
 def preflight_resume(root: str, cfg: TrainerConfig, data: dict) -> Optional[str]:
@@ -184,6 +199,8 @@ def check_resumable(state: dict, cfg: TrainerConfig, data: dict, path: str) -> N
             f"{state.get('model_config')}, not {dataclasses.asdict(cfg.model)}; "
             "valid: the same model config, or a new cluster.run_name"
         )
+    if state.get("imported_from"):  # a step-0 import: no data position, any batch, any data
+        return
     if state.get("global_batch_size") != cfg.train.global_batch_size:
         raise ConfigError(
             f"invalid config: train.global_batch_size={cfg.train.global_batch_size} "
@@ -221,6 +238,7 @@ class Checkpointer:
         on_commit: Optional[Callable[[str, int], None]] = None,
         log=print,
         data_identity: Optional[dict] = None,
+        tokenizer: Optional[dict] = None,
     ):
         """`root`: this run's checkpoint folder (a path or pyarrow.fs URI). `control`: a gloo
         group of all ranks for the agreements, used from this (the training) thread only; the
@@ -228,7 +246,8 @@ class Checkpointer:
         `resume_from`: a checkpoint to resume from instead of the newest valid one under root.
         `on_commit(path, step)`: called on every rank once step's checkpoint is committed.
         `log`: prints on rank 0 (the loop's print0). `data_identity`: what the sample order
-        depends on (trainer.loop.data_identity); a checkpoint of another one is refused."""
+        depends on (data_identity); a checkpoint of another one is refused. `tokenizer`: the
+        data's tokenizer, recorded with every checkpoint for exports."""
         self.cfg, self.root = cfg, root
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.rank, self.world, self.device, self.control = rank, world_size, device, control
@@ -236,6 +255,7 @@ class Checkpointer:
         barrier_group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.resume_from, self.on_commit, self.log = resume_from, on_commit, log
         self.data_identity = data_identity or {}
+        self.tokenizer = tokenizer
         self.every, self.total = cfg.train.checkpoint_every, cfg.train.steps
         self.writer = CheckpointWriter(
             root, keep=cfg.train.keep_checkpoints, async_save=True, group=barrier_group
@@ -258,7 +278,13 @@ class Checkpointer:
         """Start an asynchronous save of `step`; the previous one is waited for and reported."""
         self._report()
         state = TrainerState.of(
-            self.cfg, step, self.world, self.optimizer, self.scaler, self.data_identity
+            self.cfg,
+            step,
+            self.world,
+            self.optimizer,
+            self.scaler,
+            self.data_identity,
+            self.tokenizer,
         )
         self.writer.save(
             step, self.rank, self.world, state_chunks(self.model, self.optimizer), state.to_json()

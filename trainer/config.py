@@ -41,7 +41,7 @@ class ModelConfig:
     """Shape of the Llama-style decoder (trainer/model.py). The defaults are the `tiny` preset."""
 
     name: str = "tiny"
-    """Preset name, for the record (tiny, 125m, 1b, 8b)."""
+    """Preset name, for the record (tiny, 125m, 1b, 8b, hf)."""
     vocab_size: int = 256
     """Vocabulary size: at least the tokenizer's (byte-level data: 256)."""
     dim: int = 256
@@ -60,8 +60,25 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rope_scaling: Optional[str] = None
+    """None, or 'llama3': Llama 3.1's frequency-dependent scaling of the rotary frequencies, with
+    the four rope_* fields below."""
+    rope_factor: float = 8.0
+    """llama3 scaling: low frequencies are divided by this."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max_seq_len / this are scaled fully."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max_seq_len / this are not scaled."""
+    rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length the model was pretrained with."""
+    tie_embeddings: bool = False
+    """The output projection is the token embedding matrix (no separate output weight)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of matrices."""
+    hf_path: Optional[str] = None
+    """A Hugging Face Llama checkpoint (a folder or pyarrow.fs URI holding config.json and
+    model.safetensors or model.safetensors.index.json): the shape above comes from its config.json
+    and a run with nothing to resume starts from its weights (trainer/hf.py). model=hf sets it."""
 
     def validate(self) -> None:
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
@@ -75,6 +92,21 @@ class ModelConfig:
             fail("model.n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads={self.n_heads}")
         if (self.dim // self.n_heads) % 2:
             fail("model.n_heads", self.n_heads, "a value giving an even head dim (rotary pairs)")
+        if self.rope_scaling not in (None, "llama3"):
+            fail("model.rope_scaling", self.rope_scaling, "null or llama3")
+        if self.rope_scaling and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            fail(
+                "model.rope_high_freq_factor",
+                self.rope_high_freq_factor,
+                f"more than model.rope_low_freq_factor={self.rope_low_freq_factor}",
+            )
+        if self.name == "hf" and self.hf_path == "":  # model=hf without model.hf_path
+            fail(
+                "model.hf_path",
+                self.hf_path,
+                "the folder or URI of a Hugging Face Llama "
+                "checkpoint (config.json and model*.safetensors)",
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -112,6 +144,8 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
+    # A Hugging Face Llama checkpoint: model=hf model.hf_path=... (the shape is its config.json's).
+    "hf": ModelConfig(name="hf", hf_path=""),
 }
 """The model presets, the only place their shapes are written: Hydra's `model` group
 (cluster/config.py registers each under its name) and `model_config` read them."""

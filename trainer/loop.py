@@ -18,6 +18,7 @@ close (the last save committed and reported). The invariants that make it elasti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.checkpointing import Checkpointer, data_identity
+from trainer.checkpointing import Checkpointer, data_identity, has_checkpoint
 from trainer.config import DType, TrainerConfig
 from trainer.data import (
     EVAL_TAG,
@@ -38,8 +39,10 @@ from trainer.data import (
     global_tokens_per_step,
 )
 from trainer.device import resolve_device
-from trainer.fsdp import build_mesh, parallelize
+from trainer.fsdp import NO_INIT, build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
+from trainer.fsdp.state import load_params
+from trainer.hf import HFWeights, resolve_model
 from trainer.metrics import MetricsLogger, NullLogger, step_metrics
 from trainer.model import build_model, flops_per_token, initializer, loss_sum
 from trainer.optim import build_optimizer, lr_at, set_lr
@@ -96,6 +99,7 @@ class Trainer:
     """One rank's run: the data, the wrapped model, the optimizer and checkpointing."""
 
     def __init__(self, cfg: TrainerConfig, ctx: WorkerContext):
+        cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))  # model=hf: its config.json
         self.cfg, self.ctx = cfg, ctx
         self.rank, self.world = ctx.rank, ctx.world_size
         self.log = ctx.logger or NullLogger()
@@ -113,12 +117,15 @@ class Trainer:
         if self.device.type == "cuda":
             self._check_device_memory()
         self.mesh = build_mesh(cfg.sharding, self.rank, self.world, ctx.local_world_size)
+        # Weights that a checkpoint or a Hugging Face model will overwrite are not initialised.
+        self.resuming = bool(ctx.resume_from) or has_checkpoint(ctx.checkpoint_root)
+        fills = self.resuming or bool(cfg.model.hf_path)
         self.model = parallelize(
             build_model(cfg.model, device="meta"),
             cfg.sharding,
             self.mesh,
             self.device,
-            init_fn=initializer(t.seed),
+            init_fn=NO_INIT if fills else initializer(t.seed),
         )
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = ShardedGradScaler(enabled=cfg.sharding.param_dtype is DType.float16)
@@ -141,10 +148,22 @@ class Trainer:
             on_commit=ctx.on_checkpoint,
             log=self.print0,
             data_identity=data_identity(cfg, self.data.digest),
+            tokenizer=self.data.tokenizer_info(),
         )
         self.step = 0
         self.loader: Optional[Loader] = None
         self.result = TrainResult(0, float("nan"))
+
+    def load_hf_weights(self) -> None:
+        """Start from the Hugging Face checkpoint at model.hf_path: each rank reads the byte
+        ranges of its own shards, converted to the fp32 master weights."""
+        t0 = time.perf_counter()
+        weights = HFWeights(self.cfg.model.hf_path, self.cfg.model)
+        load_params(self.model, lambda fqn, start, n: weights.read(fqn, start, n).to(self.device))
+        self.print0(
+            f"initialised from {self.cfg.model.hf_path} in {time.perf_counter() - t0:.1f} s "
+            f"({weights.bytes_read / 2**20:,.1f} MiB read by rank 0)"
+        )
 
     def _check_device_memory(self) -> None:
         """Fail before allocating, with the planner's breakdown, if the job cannot fit."""
@@ -157,6 +176,8 @@ class Trainer:
     def run(self) -> TrainResult:
         r = self.result
         r.start_step = self.step = self.checkpointer.resume()
+        if self.checkpointer.resumed_from is None and self.cfg.model.hf_path:
+            self.load_hf_weights()
         self.loader = Loader(
             self.batches,
             self.rank,

@@ -61,9 +61,11 @@ class RotaryEmbedding:
     model has nothing to materialise but parameters and state_dicts hold only parameters.
     """
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[ModelConfig] = None):
+        """`scaling`: a ModelConfig with rope_scaling='llama3' and its factors (None: plain)."""
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = scaling if scaling is not None and scaling.rope_scaling else None
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, seq_len: int, device: torch.device, dtype: torch.dtype):
@@ -75,6 +77,8 @@ class RotaryEmbedding:
             with torch.inference_mode(False), torch.no_grad():
                 half = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
                 inv_freq = 1.0 / (self.theta ** (half / self.head_dim))
+                if self.scaling is not None:
+                    inv_freq = llama3_frequencies(inv_freq, self.scaling)
                 positions = torch.arange(seq_len, device=device, dtype=torch.float32)
                 angles = torch.outer(positions, inv_freq)  # fp32: bf16 angles are far off
                 self._cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
@@ -87,6 +91,19 @@ class RotaryEmbedding:
         pairs = x.unflatten(-1, (-1, 2))
         x0, x1 = pairs[..., 0], pairs[..., 1]
         return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's rotary scaling: wavelengths longer than the pretraining context / low factor
+    are stretched by `factor`, shorter than it / high factor kept, those between interpolated."""
+    factor, old = cfg.rope_factor, cfg.rope_original_max_seq_len
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class Attention(nn.Module):
@@ -143,7 +160,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Optional[RotaryEmbedding] = None):
         super().__init__()
         if rotary is None:
-            rotary = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta)
+            rotary = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta, cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, rotary)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -162,18 +179,22 @@ class Transformer(nn.Module):
         cfg.validate()
         self.cfg = cfg
         # One rotary table cache shared by all blocks (tables are identical across layers).
-        rotary = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta)
+        rotary = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta, cfg)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_embeddings.init_std = cfg.init_std
         self.layers = nn.ModuleList(TransformerBlock(cfg, rotary) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = _linear(cfg.dim, cfg.vocab_size, cfg.init_std)
+        # Tied: the head reads the embedding matrix; there is no second parameter to keep equal.
+        self.output = None if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, cfg.init_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
 
 
 def _residual_std(cfg: ModelConfig) -> float:
@@ -285,18 +306,19 @@ def count_params(cfg: ModelConfig) -> int:
     kv_dim = cfg.kv_heads * head_dim
     attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim
     block = attention + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
-    return 2 * cfg.vocab_size * cfg.dim + cfg.n_layers * block + cfg.dim
+    embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.dim
+    return embeddings + cfg.n_layers * block + cfg.dim
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), the PaLM / Chinchilla MFU convention.
 
     6 N for the matmuls, where N excludes the input embedding (a lookup, no FLOPs; the output
-    projection is counted), plus 12 * n_layers * dim * seq_len for attention scores and values
-    (PaLM appendix B, 6 L H Q T * 2). Causal masking is NOT discounted, as in the convention, so
-    MFU figures are comparable with published ones.
+    projection is counted, tied or not), plus 12 * n_layers * dim * seq_len for attention scores
+    and values (PaLM appendix B, 6 L H Q T * 2). Causal masking is NOT discounted, as in the
+    convention, so MFU figures are comparable with published ones.
     """
-    n = count_params(cfg) - cfg.vocab_size * cfg.dim
+    n = count_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 

@@ -50,18 +50,26 @@ def test_every_group_option_composes_into_a_valid_job_config(group, option):
     assert isinstance(cfg, JobConfig) and cfg.validate() is cfg
 
 
-# The options that describe a user's own data leave its location (and tokenizer) to the user.
+# The options that describe a user's own data or model leave where it is to the user.
 REQUIRED = {
     "jsonl": ("data.source=/corpus", "data.tokenizer=/tok.json"),
     "parquet": ("data.source=s3://b/*.parquet", "data.tokenizer=s3://b/tok.json"),
     "text": ("data.source=/corpus",),
+    "hf": ("model.hf_path=/models/llama",),
+}
+REQUIRED_KEY = {
+    "jsonl": "data=jsonl",
+    "parquet": "data=parquet",
+    "text": "data=text",
+    "hf": "model=hf",
 }
 
 
 @pytest.mark.parametrize("option", sorted(REQUIRED))
-def test_a_data_option_without_its_source_is_refused_naming_the_key(option):
-    with pytest.raises(ConfigError, match=r"data\.source=''"):
-        composed(f"data={option}").validate()
+def test_an_option_without_its_location_is_refused_naming_the_key(option):
+    key = REQUIRED[option][0].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}=''"):
+        composed(REQUIRED_KEY[option]).validate()
 
 
 @pytest.mark.parametrize(

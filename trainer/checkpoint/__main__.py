@@ -4,6 +4,8 @@
     python -m trainer.checkpoint inspect runs/checkpoints/step_000000060  # one checkpoint
     python -m trainer.checkpoint verify  s3://bucket/run/step_000000060   # checksums; rc 1 if bad
     python -m trainer.checkpoint export  runs/checkpoints/step_000000060 out/ [--dtype bfloat16]
+    python -m trainer.checkpoint export  runs/checkpoints/step_000000060 hf/ --format hf
+    python -m trainer.checkpoint import-hf /models/Llama-3.2-1B/ runs/my-run/checkpoints/
 
 Exit codes: 0 fine, 1 invalid/corrupt checkpoint, 2 usage or I/O error.
 """
@@ -16,10 +18,18 @@ import sys
 from trainer import storage
 from trainer.checkpoint.catalog import check, list_checkpoints
 from trainer.checkpoint.export import export
-from trainer.checkpoint.format import MANIFEST, CheckpointError, numel_of, parse_step_dir
+from trainer.checkpoint.format import (
+    MANIFEST,
+    CheckpointError,
+    dtype_from_name,
+    numel_of,
+    parse_step_dir,
+)
 from trainer.checkpoint.keys import param_name
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.verify import verify
+from trainer.config import ConfigError
+from trainer.hf import export_hf, import_hf
 
 
 def _is_step_dir(path: str) -> bool:
@@ -96,11 +106,23 @@ def cmd_verify(path: str) -> int:
     return 0
 
 
-def cmd_export(path: str, out: str, dtype) -> int:
+def cmd_export(path: str, out: str, dtype, fmt: str, max_shard_gb: float) -> int:
+    if fmt == "hf":
+        torch_dtype = dtype_from_name(dtype, "--dtype") if dtype else None
+        export_hf(path, out, torch_dtype, int(max_shard_gb * 2**30))
+        return 0
     s = export(path, out, dtype)
     print(
         f"exported step {s['step']}: {s['tensors']} tensors, {s['parameters']:,} parameters "
         f"-> {out}/model.safetensors + config.json"
+    )
+    return 0
+
+
+def cmd_import_hf(src: str, dest: str) -> int:
+    path = import_hf(src, dest)
+    print(
+        f"imported {src} -> {path} (step 0; train with the same cluster.run_name to start from it)"
     )
     return 0
 
@@ -120,16 +142,34 @@ def main(argv=None) -> int:
     ex.add_argument("path")
     ex.add_argument("out", help="local output directory")
     ex.add_argument(
-        "--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as stored)"
+        "--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as stored, fp32)"
     )
+    ex.add_argument(
+        "--format",
+        default="native",
+        choices=["native", "hf"],
+        help="hf: transformers' Llama layout (config.json, model*.safetensors, index, "
+        "tokenizer files), loadable by transformers and vLLM",
+    )
+    ex.add_argument(
+        "--max-shard-gb",
+        type=float,
+        default=5.0,
+        help="--format hf: safetensors files of at most this many GiB",
+    )
+    im = sub.add_parser("import-hf", help="a step-0 checkpoint of a Hugging Face Llama model")
+    im.add_argument("src", help="folder or URI with config.json and model*.safetensors")
+    im.add_argument("dest", help="a run's checkpoints folder, e.g. runs/my-run/checkpoints")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":
             return cmd_inspect(args.path)
         if args.cmd == "verify":
             return cmd_verify(args.path)
-        return cmd_export(args.path, args.out, args.dtype)
-    except CheckpointError as e:
+        if args.cmd == "import-hf":
+            return cmd_import_hf(args.src, args.dest)
+        return cmd_export(args.path, args.out, args.dtype, args.format, args.max_shard_gb)
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

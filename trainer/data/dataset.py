@@ -325,6 +325,11 @@ class PreparedData:
     def eod_id(self) -> int:
         return int(self.manifest.tokenizer["eod_id"])
 
+    def tokenizer_info(self) -> dict:
+        """The tokenizer as the manifest records it: name (byte, or its tokenizer.json),
+        digest, vocab_size, eod_id and eod_token."""
+        return dict(self.manifest.tokenizer)
+
     @property
     def num_sources(self) -> int:
         return len(self.manifest.sources)

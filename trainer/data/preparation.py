@@ -429,6 +429,7 @@ def assemble(plan: Plan, records: list[dict]) -> Manifest:
         "digest": tok.digest,
         "vocab_size": tok.vocab_size,
         "eod_id": tok.eod_id,
+        "eod_token": getattr(tok, "eod_token", None),
     }
     return Manifest(plan.digest, tokenizer, tok.dtype.name, sources, plan.settings, time.time())
 

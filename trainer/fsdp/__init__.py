@@ -17,9 +17,10 @@ from .flat_param import FlatParameter
 from .mesh import ShardMesh, build_mesh, virtual_mesh
 from .parallelize import parallelize
 from .unit import FSDPUnit, TrainingState
-from .wrap import block_policy
+from .wrap import NO_INIT, block_policy
 
 __all__ = [
+    "NO_INIT",
     "Accounting",
     "ConfigError",
     "DType",

@@ -24,6 +24,12 @@ InitFn = Callable[[torch.nn.Module, str], None]
 qualified names start with `prefix`; must depend only on the names, so every rank agrees."""
 
 
+def NO_INIT(module: torch.nn.Module, prefix: str) -> None:  # noqa: N802 -- a sentinel
+    """init_fn for a model whose shards the caller fills next (from a checkpoint, or Hugging
+    Face weights): meta parameters are not materialised at all and the shards stay zero."""
+    raise AssertionError("NO_INIT is never called")
+
+
 def block_policy(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Default wrap policy: one unit per transformer block (children of a ModuleList `layers`)."""
     layers = getattr(model, "layers", None)
@@ -101,6 +107,9 @@ class UnitBuilder:
         # One parameter at a time: materialise it, copy the slice this rank owns, drop it. Peak
         # memory is the shard plus the largest single parameter, never the unit or the model.
         for (mod_name, attr, p), info in zip(entries, infos):
+            if p.is_meta and self.init_fn is NO_INIT:
+                delattr(owners[mod_name], attr)
+                continue
             value = self._materialize(owners[mod_name], mod_name, attr, p)
             a, b = max(info.offset, flat.lo), min(info.offset + info.numel, flat.hi)
             if a < b:
