@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer.config import ShardingConfig, model_config
-from trainer.fsdp import FSDPModel, block_policy, build_mesh, parallelize
+from trainer.fsdp import FSDPModel, build_mesh, parallelize
+from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import full_gradients, full_parameters
 from trainer.model import build_model, initializer, loss_sum
 
@@ -29,12 +32,19 @@ def batch(step: int, global_batch: int):
     return toks[:, :-1], toks[:, 1:]
 
 
-def optimizer(groups):
-    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+def optimizer(groups, lr: float = LR):
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
 
 
-def reference(steps: int, global_batch: int, dtype=torch.float32):
-    """Single process, whole batch, plain model: per-step (loss, grad norm) and step-0 grads."""
+def initial_parameters() -> dict[str, torch.Tensor]:
+    """Every parameter before the first step (the same init every run and rank uses)."""
+    model = build_model(tiny(), device="cpu", seed=SEED)
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def reference(steps: int, global_batch: int, skip: tuple[int, ...] = ()):
+    """Single process, whole batch, plain model: per-step (loss, grad norm) and step-0 grads.
+    The steps in `skip` compute their loss and take no optimizer step (an fp16 overflow step)."""
     model = build_model(tiny(), device="cpu", seed=SEED)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
@@ -47,7 +57,8 @@ def reference(steps: int, global_batch: int, dtype=torch.float32):
         if step == 0:
             grads0 = {k: p.grad.clone() for k, p in model.named_parameters()}
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
+        if step not in skip:
+            opt.step()
         opt.zero_grad()
         losses.append(float(s.detach()) / (global_batch * SEQ))
     return dict(
@@ -68,7 +79,7 @@ def wrap(rank: int, world: int, policy=None, **sharding) -> FSDPModel:
         mesh,
         "cpu",
         init_fn=initializer(SEED),
-        wrap_policy=policy or block_policy,
+        **({"wrap_policy": policy} if policy else {}),
     )
 
 
@@ -80,14 +91,22 @@ def engine_run(
     sharding: dict,
     micro_batches: int = 1,
     keep_trace: bool = False,
+    lr: float = LR,
+    overflow_at: Optional[tuple[int, int]] = None,
 ):
-    """Our engine on this rank: same data split by rank_range, losses all-reduced."""
+    """Our engine on this rank: same data split by rank_range, losses all-reduced.
+
+    fp16 runs under the ShardedGradScaler as trainer/loop.py does. overflow_at=(step, rank): that
+    rank's loss is multiplied by 2**30 in that step, so its fp16 backward overflows (on that rank
+    only) and every rank must skip the step."""
     fsdp = wrap(rank, world, **sharding)
-    opt = optimizer(fsdp.param_groups(WD))
+    opt = optimizer(fsdp.param_groups(WD), lr)
+    scaler = ShardedGradScaler(enabled=fsdp.param_dtype == torch.float16)
     lo = rank * global_batch // world
     hi = (rank + 1) * global_batch // world
-    losses, norms, grads0, acct = [], [], None, []
+    losses, norms, grads0, acct, skipped = [], [], None, [], []
     for step in range(steps):
+        blow_up = 2.0**30 if overflow_at == (step, rank) else 1.0
         x, y = batch(step, global_batch)
         x, y = x[lo:hi], y[lo:hi]
         parts = np.array_split(np.arange(hi - lo), micro_batches)
@@ -99,12 +118,17 @@ def engine_run(
             ctx = fsdp.no_sync() if k < micro_batches - 1 else _null()
             with ctx:
                 s, _ = loss_sum(fsdp(x[idx]), y[idx], weight)
-                (s / (global_batch * SEQ)).backward()
-            total += s.detach()
+                scaler.scale_loss(s * blow_up / (global_batch * SEQ)).backward()
+            total += s.detach().float()
+        found_inf = scaler.unscale_and_check(fsdp.grad_shards(), world)
         if step == 0:
             grads0 = full_gradients(fsdp)
         norms.append(float(fsdp.clip_grad_norm_(CLIP)))
-        opt.step()
+        if found_inf:
+            skipped.append(step)
+        else:
+            opt.step()
+        scaler.update(found_inf)
         fsdp.zero_grad()
         fsdp.metrics(opt)  # counts the optimizer state in the accounting
         if world > 1:
@@ -122,14 +146,18 @@ def engine_run(
         norms=norms,
         grads0=grads0,
         params=full_parameters(fsdp),
+        skipped=skipped,
+        scale=scaler.scale,
         acct=acct,
         largest_unit=fsdp.largest_unit_bytes(),
+        root_bytes=fsdp.root.gathered_bytes,
         num_params=fsdp.num_params(),
         flats=[(f.padded_numel, f.shard_numel, f.valid_numel) for f in fsdp.flats()],
     )
     if keep_trace:
         out["events"] = [(e.kind, e.op, e.unit) for e in fsdp.acct.events]
         out["order"] = [u.name for u in fsdp.scheduler.order]
+        out["backward_order"] = [u.name for u in fsdp.scheduler.backward_order]
     return out
 
 
@@ -160,6 +188,7 @@ def fsdp2_run(rank: int, world: int, steps: int, global_batch: int, param_dtype:
     opt = optimizer([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}])
     lo, hi = rank * global_batch // world, (rank + 1) * global_batch // world
     losses = []
+    names = [k for k, _ in model.named_parameters()]
     for step in range(steps):
         x, y = batch(step, global_batch)
         s, _ = loss_sum(model(x[lo:hi]), y[lo:hi])
@@ -172,7 +201,8 @@ def fsdp2_run(rank: int, world: int, steps: int, global_batch: int, param_dtype:
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / (global_batch * SEQ))
-    return losses
+    params = {k: p.full_tensor().detach().clone() for k, p in zip(names, model.parameters())}
+    return dict(losses=losses, params=params)
 
 
 def matrix_run(rank: int, world: int, configs: list[dict], steps: int, global_batch: int):
@@ -182,7 +212,8 @@ def matrix_run(rank: int, world: int, configs: list[dict], steps: int, global_ba
         c = dict(c)
         micro = c.pop("micro_batches", 1)
         if c.pop("fsdp2", False):
-            out.append(fsdp2_run(rank, world, steps, global_batch, c["param_dtype"]))
+            r = fsdp2_run(rank, world, steps, global_batch, c["param_dtype"])
+            out.append(r if rank == 0 else None)
         else:
             r = engine_run(rank, world, steps, global_batch, c, micro_batches=micro)
             out.append(r if rank == 0 else None)

@@ -50,7 +50,7 @@ def check(world: int, cfgs: list[dict], ref) -> None:
         d: dict(fsdp2=True, param_dtype=d) for d in {c["param_dtype"] for c in cfgs} if world > 1
     }
     results = run_distributed(matrix_run, world, cfgs + list(peers.values()), STEPS, BATCH)[0]
-    fsdp2 = dict(zip(peers, results[len(cfgs) :]))
+    fsdp2 = {d: r["losses"] for d, r in zip(peers, results[len(cfgs) :])}
     failures = []
     for c, r in zip(cfgs, results):
         tag = f"world={world} {c}"
@@ -83,10 +83,15 @@ def check(world: int, cfgs: list[dict], ref) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_strategy_matches_single_process_fp32_at_world_size(world, ref):
+    sharded_accumulation = [
+        dict(c, sharded_grad_accumulation=True)
+        for c in configs(world, ("FULL_SHARD", "HYBRID_SHARD"), ("float32",), (False,), (2,))
+    ]
     check(
         world,
         configs(world, dtypes=("float32",), ac=(False,), micro=(1,))
-        + configs(world, strategies=("FULL_SHARD",), dtypes=("float32",), ac=(True,), micro=(2,)),
+        + configs(world, strategies=("FULL_SHARD",), dtypes=("float32",), ac=(True,), micro=(2,))
+        + sharded_accumulation,
         ref,
     )
 

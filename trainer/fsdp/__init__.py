@@ -17,7 +17,7 @@ from .flat_param import FlatParameter
 from .mesh import ShardMesh, build_mesh, virtual_mesh
 from .parallelize import parallelize
 from .unit import FSDPUnit, TrainingState
-from .wrap import NO_INIT, block_policy
+from .wrap import NO_INIT, block_policy, transformer_policy
 
 __all__ = [
     "NO_INIT",
@@ -32,6 +32,7 @@ __all__ = [
     "ShardingStrategy",
     "TrainingState",
     "block_policy",
+    "transformer_policy",
     "build_mesh",
     "parallelize",
     "virtual_mesh",

@@ -12,6 +12,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 MEMORY_KINDS = (
     "sharded_params",
     "sharded_grads",
@@ -37,6 +38,10 @@ class Accounting:
     live: dict = field(default_factory=lambda: defaultdict(int))
     peak: dict = field(default_factory=lambda: defaultdict(int))
     events: list = field(default_factory=list)
+    exposed_s: dict = field(default_factory=lambda: defaultdict(float))
+    """Seconds the compute path waited on each collective kind this step (CPU: measured at the
+    wait; CUDA: resolved from `_wait_events` when metrics are read)."""
+    _wait_events: list = field(default_factory=list)
 
     # ---- communication -------------------------------------------------------------------
     def record_comm(self, op: str, payload_bytes: int, group_size: int) -> None:
@@ -46,10 +51,29 @@ class Accounting:
         self.comm_bytes[op] += factor * payload_bytes * (group_size - 1) // group_size
         self.comm_calls[op] += 1
 
+    def record_wait(self, op: str, seconds: float) -> None:
+        self.exposed_s[op] += seconds
+
+    def record_wait_events(self, op: str, start, end) -> None:
+        """CUDA: timing events around the compute stream's wait; elapsed = its stall."""
+        self._wait_events.append((op, start, end))
+
+    def exposed_ms(self) -> dict[str, float]:
+        """Milliseconds the compute path waited on each kind of collective this step. On CUDA
+        this synchronises with the last wait of the step: call it on logging steps only."""
+        for op, start, end in self._wait_events:
+            end.synchronize()
+            self.exposed_s[op] += start.elapsed_time(end) / 1000.0
+        self._wait_events.clear()
+        return {op: 1000.0 * self.exposed_s.get(op, 0.0) for op in COMM_OPS}
+
     def reset_step(self) -> None:
-        """Start a new step: zero per-step comm counters and peaks (peaks restart from live)."""
+        """Start a new step: zero per-step comm counters, waits and peaks (peaks restart from
+        live)."""
         self.comm_bytes.clear()
         self.comm_calls.clear()
+        self.exposed_s.clear()
+        self._wait_events.clear()
         self.peak = defaultdict(int, self.live)
         self.peak["total"] = self.total_live()
 
@@ -83,9 +107,13 @@ class Accounting:
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        for op in COMM_OPS:
             out[f"comm/{op}_bytes"] = float(self.comm_bytes.get(op, 0))
         out["comm/total_bytes"] = float(sum(self.comm_bytes.values()))
+        exposed = self.exposed_ms()
+        for op in COMM_OPS:
+            out[f"comm/exposed_{op}_ms"] = exposed[op]
+        out["comm/exposed_ms"] = sum(exposed.values())
         for k in MEMORY_KINDS:
             out[f"mem/{k}_bytes"] = float(self.live.get(k, 0))
             out[f"mem/peak_{k}_bytes"] = float(self.peak.get(k, 0))

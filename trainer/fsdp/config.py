@@ -89,11 +89,19 @@ class ShardingConfig:
     """Issue the next unit's all-gather before the current unit computes."""
     backward_prefetch: bool = True
     """Issue the previous unit's all-gather before the current unit's backward."""
-    max_gathers_in_flight: int = 2
-    """Bound on all-gathers issued but not yet consumed (caps gathered-parameter memory)."""
+    max_gathers_in_flight: int = 1
+    """Prefetch depth k: while a unit computes, the all-gathers of the next k units (forward
+    or backward order) are issued, and no more. Gathered parameters stay within the root +
+    (1 + k) x the largest unit."""
     max_reductions_in_flight: int = 2
     """Bound on gradient reductions issued but not yet folded into the fp32 gradient shards: the
     oldest is waited for when a newer one is issued, so unsharded gradients never pile up."""
+    sharded_grad_accumulation: bool = False
+    """With train.micro_batches > 1: reduce-scatter every micro-batch's gradient into the fp32
+    gradient shard instead of keeping the whole model's unsharded gradient (in reduce_dtype)
+    until the last micro-batch: 1/N of that memory for micro_batches x the reduce-scatter
+    traffic. The planner (python -m cluster.plan) recommends it when the job does not fit
+    otherwise."""
     hybrid_shard_group_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
     trace: bool = False

@@ -13,12 +13,16 @@ Who owns what: each unit (unit.py) owns its storage and its state transitions; t
 (scheduler.py) owns the execution order and the prefetch; the reducer (reducer.py) owns the
 reductions in flight; this class installs the hooks that call them, in this order:
 
-  forward:  root gathers (kept until backward ends); unit i waits for its gather, issues unit i+1's
-            gather (forward prefetch), computes, reshards.
-  backward: the hook on unit i's output gathers unit i (already prefetched), issues unit i-1's
-            gather (backward prefetch); when unit i's flat gradient is complete its reduction is
-            issued at once and the unit reshards; a callback at the end of backward waits for
-            every reduction and writes the fp32 gradient shards.
+  forward:  the root (the final norm) gathers, kept until backward ends; unit i waits for its
+            gather, issues the gathers of the next k units (forward prefetch), computes,
+            reshards (the last unit keeps its parameters: backward starts with it).
+  backward: the hook on unit i's output gathers unit i (already prefetched), issues the gathers
+            of the next k units of the backward order (backward prefetch); when unit i's flat
+            gradient is complete its reduction is issued at once and the unit reshards; a
+            callback at the end of backward waits for every reduction and writes the fp32
+            gradient shards.
+  no_grad:  every unit reshards after its forward, whatever the strategy (evaluation and
+            generation hold one unit's parameters at a time, plus the prefetched ones).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from . import state
 from .accounting import Accounting
 from .collectives import Collectives
 from .flat_param import FlatParameter
@@ -36,7 +41,7 @@ from .mesh import ShardMesh
 from .reducer import Reducer
 from .scheduler import Scheduler
 from .unit import FSDPUnit
-from .wrap import ROOT, InitFn, UnitBuilder, block_policy
+from .wrap import ROOT, InitFn, UnitBuilder, UnitSpec, transformer_policy
 
 
 class FSDPModel(torch.nn.Module):
@@ -46,45 +51,43 @@ class FSDPModel(torch.nn.Module):
         mesh: ShardMesh,
         device: torch.device,
         *,
-        units: Optional[list[torch.nn.Module]] = None,
+        units: Optional[list[UnitSpec]] = None,
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         reshard_after_forward: bool = True,
         forward_prefetch: bool = True,
         backward_prefetch: bool = True,
-        max_gathers_in_flight: int = 2,
+        max_gathers_in_flight: int = 1,
         max_reductions_in_flight: int = 2,
+        sharded_grad_accumulation: bool = False,
         trace: bool = False,
         init_fn: Optional[InitFn] = None,
     ):
-        """`units`: the modules that become units (default: block_policy); the rest of `model`
-        is the root unit. `reshard_after_forward`: the units (never the root, whose parameters
-        are needed first in backward) free their gathered parameters after forward."""
+        """`units`: the modules that become units (default: transformer_policy); the rest of
+        `model` is the root unit. `reshard_after_forward`: the units (never the root) free their
+        gathered parameters after forward. `sharded_grad_accumulation`: no_sync() reduces every
+        micro-batch into the gradient shards instead of keeping unsharded gradients."""
         super().__init__()
         self.module = model
         self.mesh, self.device = mesh, torch.device(device)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.acct = Accounting(trace_enabled=trace)
         self.comm = Collectives(self.acct, self.device)
-        unit_modules = block_policy(model) if units is None else units
+        specs = transformer_policy(model) if units is None else units
         build = UnitBuilder(
             model, mesh, self.device, self.comm, self.acct, param_dtype, reduce_dtype, init_fn
         )
         self.units: list[FSDPUnit] = [
-            build.unit(build.names[id(m)], m, reshard_after_forward) for m in unit_modules
+            build.unit(build.name(spec), spec, reshard_after_forward) for spec in specs
         ]
-        self.root = build.unit(ROOT, model, reshard_after_forward=False, exclude=unit_modules)
+        self.root = build.unit(ROOT, model, reshard_after_forward=False, exclude=specs)
         self.reducer = Reducer(mesh, self.comm, self.acct, reduce_dtype, max_reductions_in_flight)
         for u in self.all_units():
             u.reducer = self.reducer
         self.scheduler = Scheduler(
-            self.root,
-            self.units,
-            max_gathers_in_flight,
-            forward_prefetch,
-            backward_prefetch,
-            reshard_after_forward,
+            self.root, self.units, max_gathers_in_flight, forward_prefetch, backward_prefetch
         )
+        self.sharded_grad_accumulation = sharded_grad_accumulation
         self._in_backward = False
         self._step_open = False  # a step's accounting runs from its first forward to zero_grad
         self._install_hooks()
@@ -105,8 +108,9 @@ class FSDPModel(torch.nn.Module):
         self.module.register_forward_pre_hook(self._root_pre_forward)
         self.module.register_forward_hook(self._root_post_forward)
         for u in self.units:
-            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            first, last = u.modules[0], u.modules[-1]  # a unit of several runs them in a row
+            first.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+            last.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
 
     def _root_pre_forward(self, module, args):
         if self._in_backward:
@@ -137,7 +141,7 @@ class FSDPModel(torch.nn.Module):
         u.pre_forward(prefetch=lambda: self.scheduler.prefetch_after(u))
 
     def _post_forward(self, u: FSDPUnit, output):
-        u.post_forward()
+        u.post_forward(keep=self.scheduler.keeps_after_forward(u))
         if torch.is_grad_enabled():
             _register_output_hooks(output, lambda g, u=u: self._pre_backward(u))
         return output
@@ -146,11 +150,12 @@ class FSDPModel(torch.nn.Module):
         if self._in_backward:
             return grad
         self._in_backward = True
-        self.root.pre_backward(prefetch=self.scheduler.prefetch_last)
+        self.root.pre_backward(prefetch=self.scheduler.prefetch_backward_start)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         return grad
 
     def _pre_backward(self, u: FSDPUnit):
+        self.scheduler.record_backward(u)
         u.pre_backward(prefetch=lambda: self.scheduler.prefetch_before(u))
 
     def _finish_backward(self) -> None:
@@ -158,7 +163,28 @@ class FSDPModel(torch.nn.Module):
         self.reducer.finish()
         for u in self.all_units():
             u.end_iteration()
+        self.scheduler.end_backward()
         self._in_backward = False
+
+    # ---- what users hold ------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        """What the optimizer updates: this rank's fp32 shard of each flat parameter, as at most
+        two views (with and without weight decay), named `<unit>.flat<i>.<decay|no_decay>`. The
+        original parameters are views of gathered buffers that exist only around their unit's
+        compute; sharded_state_dict() / full_state_dict() name them."""
+        for u in self.all_units():
+            for i, flat in enumerate(u.flats):
+                for p, decay, _ in flat.opt_params:
+                    kind = "decay" if decay else "no_decay"
+                    yield f"{prefix}{u.name}.flat{i}.{kind}", p
+
+    def sharded_state_dict(self) -> dict:
+        """{name in the unwrapped model: LocalShard(shape, start, values)}; see state.py."""
+        return state.sharded_state_dict(self)
+
+    def full_state_dict(self, dtype: Optional[torch.dtype] = None) -> dict:
+        """Every parameter whole on rank 0, streamed one at a time; see state.py."""
+        return state.full_state_dict(self, dtype)
 
     # ---- gradients and the optimizer ------------------------------------------------------
     def param_groups(self, weight_decay: float) -> list[dict]:
@@ -174,7 +200,11 @@ class FSDPModel(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches inside accumulate unsharded gradients locally; the next backward outside
-        reduces."""
+        reduces. With sharded_grad_accumulation it does nothing: every micro-batch reduces into
+        the fp32 gradient shards (micro_batches x the reduce traffic, 1/N of the memory)."""
+        if self.sharded_grad_accumulation:
+            yield
+            return
         for u in self.all_units():
             u.no_sync = True
         try:

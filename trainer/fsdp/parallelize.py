@@ -4,8 +4,9 @@
     fsdp = parallelize(build_model(model_cfg, device="meta"), sharding, mesh, device,
                        init_fn=lambda module, prefix: init_parameters(module, seed, prefix))
 
-In this order: the wrap policy names the units (one per transformer block by default; the rest
-of the model is the root unit); activation checkpointing wraps each unit's forward; the engine
+In this order: the wrap policy names the units (by default the embedding, one per transformer
+block, and the final norm with the output projection; the rest of the model is the root unit);
+activation checkpointing wraps each block's forward (the checkpoint policy's modules); the engine
 flattens each unit's parameters, materialising meta parameters one at a time through `init_fn`
 and keeping only this rank's slice; the sharding config becomes the engine's explicit
 arguments. The model file, the loop, the planner, the benchmarks and the tests all build the
@@ -22,10 +23,11 @@ from torch.utils.checkpoint import checkpoint
 from .config import ShardingConfig
 from .engine import FSDPModel
 from .mesh import ShardMesh
-from .wrap import InitFn, block_policy
+from .wrap import InitFn, UnitSpec, block_policy, transformer_policy
 
-WrapPolicy = Callable[[torch.nn.Module], list[torch.nn.Module]]
-"""policy(model) -> the modules that become units, in any order; the rest is the root unit."""
+WrapPolicy = Callable[[torch.nn.Module], list[UnitSpec]]
+"""policy(model) -> the units, in any order: each a module or modules that run in a row; the rest
+of the model is the root unit."""
 
 
 def parallelize(
@@ -34,14 +36,16 @@ def parallelize(
     mesh: ShardMesh,
     device: torch.device | str,
     init_fn: Optional[InitFn] = None,
-    wrap_policy: WrapPolicy = block_policy,
+    wrap_policy: WrapPolicy = transformer_policy,
+    checkpoint_policy: WrapPolicy = block_policy,
 ) -> FSDPModel:
     """`model` wrapped by our engine on `mesh`, as `cfg` says; its meta parameters (if any)
-    materialised on `device` by `init_fn(module, prefix)`."""
+    materialised on `device` by `init_fn(module, prefix)`. With activation checkpointing the
+    modules `checkpoint_policy` names recompute their activations in backward."""
     units = wrap_policy(model)
     if cfg.activation_checkpointing:
-        for unit in units:
-            apply_activation_checkpointing(unit)
+        for module in checkpoint_policy(model):
+            apply_activation_checkpointing(module)
     return FSDPModel(
         model,
         mesh,
@@ -54,6 +58,7 @@ def parallelize(
         backward_prefetch=cfg.backward_prefetch,
         max_gathers_in_flight=cfg.max_gathers_in_flight,
         max_reductions_in_flight=cfg.max_reductions_in_flight,
+        sharded_grad_accumulation=cfg.sharded_grad_accumulation,
         trace=cfg.trace,
         init_fn=init_fn,
     )

@@ -2,13 +2,20 @@
 into the fp32 gradient shards in order, bounded so unsharded gradients never pile up.
 
 FULL_SHARD / SHARD_GRAD_OP reduce-scatter inside the shard group; NO_SHARD all-reduces across the
-replicas; HYBRID_SHARD reduce-scatters inside the node, then all-reduces its shard across nodes.
+replicas; HYBRID_SHARD reduce-scatters inside the node, then all-reduces its shard across nodes:
+on CUDA that all-reduce is queued on its own stream right behind the reduce-scatter (ordered by
+the reduce-scatter's event, the host never waits), on the CPU it is issued once the
+reduce-scatter is retired; either way it is waited for only when backward ends.
+
 Gradients are summed, never averaged: the loss is already divided by the global token count.
+They are reduced in reduce_dtype (a bf16 reduce-scatter moves half the bytes) and the shard that
+comes back is accumulated into the fp32 gradient shard: only the 1/N shard is ever upcast.
 """
 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -22,6 +29,16 @@ if TYPE_CHECKING:
     from .unit import FSDPUnit
 
 
+@dataclass
+class _Reduction:
+    flat: FlatParameter
+    unit: str
+    out: torch.Tensor  # the reduced shard (reduce_dtype), or the whole gradient for NO_SHARD
+    handle: Optional[Handle]  # the reduce-scatter (or NO_SHARD's all-reduce)
+    across: Optional[Handle]  # HYBRID_SHARD's all-reduce across replicas, once issued
+    grad_bytes: int  # the unsharded gradient, alive until `handle` is retired
+
+
 class Reducer:
     def __init__(
         self,
@@ -33,20 +50,27 @@ class Reducer:
     ):
         self.mesh, self.comm, self.acct = mesh, comm, acct
         self.reduce_dtype, self.max_in_flight = reduce_dtype, max_in_flight
-        # Reductions issued and not yet folded into the gradient shards, oldest first.
-        self._pending: collections.deque = collections.deque()
+        self.hybrid = mesh.shard_size > 1 and mesh.replicate_size > 1
+        # Issued and not yet retired (their unsharded gradients alive), oldest first.
+        self._pending: collections.deque[_Reduction] = collections.deque()
+        # HYBRID_SHARD: retired reduce-scatters whose all-reduce across replicas is in flight.
+        self._across: list[_Reduction] = []
 
     def reduce(self, u: FSDPUnit, i: int, g: torch.Tensor) -> None:
-        """Launch the reduction of flat i of unit u; fold in the oldest pending one past the bound.
+        """Launch the reduction of flat i of unit u; retire the oldest pending one past the bound.
 
         Invariant: at most max_in_flight unsharded gradients are alive after this call (one more
         while the newest is issued), whatever the depth of the model."""
         g = g if g.dtype == self.reduce_dtype else g.to(self.reduce_dtype)
-        self.acct.alloc("unsharded_grads", g.numel() * g.element_size())
+        gbytes = g.numel() * g.element_size()
+        self.acct.alloc("unsharded_grads", gbytes)
         flat, m = u.flats[i], self.mesh
+        across = None
         if m.shard_size > 1:
             out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=g.device)
             h = self.comm.reduce_scatter(out, g, m.shard_group, m.shard_size, u.name)
+            if self.hybrid and self.comm.cuda:
+                across = self._all_reduce_across(out, u.name, after=h)
         else:
             out = g
             h = (
@@ -54,46 +78,37 @@ class Reducer:
                 if m.replicate_size > 1
                 else None
             )
-        self._pending.append((u, i, out, h, g.numel() * g.element_size()))
+        self._pending.append(_Reduction(flat, u.name, out, h, across, gbytes))
         while len(self._pending) > self.max_in_flight:
-            self._complete(*self._pending.popleft())
+            self._retire(self._pending.popleft())
 
     def finish(self) -> None:
-        """End of backward: wait for every reduction and write the fp32 gradient shards."""
-        m = self.mesh
-        pending, self._pending = list(self._pending), collections.deque()
-        hybrid = []
-        if m.shard_size > 1 and m.replicate_size > 1:
-            # HYBRID: all shards' reduce-scatters first, then their all-reduces across replicas,
-            # overlapped
-            for u, i, out, h, gbytes in pending:
-                if h is not None:
-                    h.wait()
-                hybrid.append(
-                    self.comm.all_reduce(out, m.replicate_group, m.replicate_size, u.name)
-                )
-            for hy in hybrid:
-                hy.wait()
-        for u, i, out, h, gbytes in pending:
-            self._complete(u, i, out, h, gbytes, hybrid_done=bool(hybrid))
+        """End of backward: retire every reduction, wait for the all-reduces across replicas,
+        write the fp32 gradient shards."""
+        while self._pending:
+            self._retire(self._pending.popleft())
+        across, self._across = self._across, []
+        for r in across:
+            r.across.wait()
+            self._accumulate(r.flat, r.out)
 
-    def _complete(
-        self,
-        u: FSDPUnit,
-        i: int,
-        out: torch.Tensor,
-        h: Optional[Handle],
-        gbytes: int,
-        hybrid_done: bool = False,
-    ) -> None:
-        """Wait for one reduction (and, for HYBRID, its all-reduce across replicas); fold it in."""
-        if h is not None:
-            h.wait()
+    def _retire(self, r: _Reduction) -> None:
+        """The reduce-scatter is done: its unsharded gradient goes. Fold the shard in now, or, for
+        HYBRID_SHARD, once its all-reduce across replicas is done (at finish)."""
+        if r.handle is not None:
+            r.handle.wait()
+            r.handle = None
+        self.acct.free("unsharded_grads", r.grad_bytes)
+        if not self.hybrid:
+            self._accumulate(r.flat, r.out)
+            return
+        if r.across is None:  # CPU: the shard is final only now
+            r.across = self._all_reduce_across(r.out, r.unit)
+        self._across.append(r)
+
+    def _all_reduce_across(self, out: torch.Tensor, unit: str, after=None) -> Handle:
         m = self.mesh
-        if m.shard_size > 1 and m.replicate_size > 1 and not hybrid_done:
-            self.comm.all_reduce(out, m.replicate_group, m.replicate_size, u.name).wait()
-        self._accumulate(u.flats[i], out)
-        self.acct.free("unsharded_grads", gbytes)
+        return self.comm.all_reduce(out, m.replicate_group, m.replicate_size, unit, after=after)
 
     def _accumulate(self, flat: FlatParameter, out: torch.Tensor) -> None:
         """Into the flat's fp32 gradient shard (allocated at the first reduction, then kept)."""

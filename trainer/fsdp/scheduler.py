@@ -1,11 +1,21 @@
-"""The order of the units and the prefetch: which unit's all-gather to issue next, within a bound.
+"""The order of the units and the prefetch: whose all-gather to issue next, and how far ahead.
 
-The forward order is recorded in the first iteration (the root first, then the units as their
-forward hooks fire); from the second on, the next unit's gather is issued before the current unit
-computes (forward prefetch), and in backward the previous unit's gather is issued before the
-current unit's gradients are computed (backward prefetch). `max_gathers_in_flight` bounds the
-units holding gathered parameters besides the one computing (the root counts: it stays gathered
-through forward and backward).
+Both orders are observed, not assumed. The forward order is recorded in the first forward (the
+units as their forward hooks fire); the backward order in the first backward (as their
+pre-backward hooks fire), so a unit whose backward never runs (frozen leading blocks, a branch
+without gradients) is never gathered for a backward that will not come, and a model whose
+backward visits its units in another order than reversed forward is prefetched as it runs.
+Until an order is known the scheduler prefetches nothing in forward and, in the first backward,
+follows the reversed forward order.
+
+`max_gathers_in_flight` = k means what it says at any value: while a unit computes, the next k
+units of the order have their all-gathers issued (in flight or done, not yet used), and no
+more. The root unit is not one of them: it holds what the model's own forward touches outside
+every unit (the final norm; with tied embeddings also the embedding) and is gathered for the
+whole step, like FSDP2's root.
+
+So gathered parameters at any moment are at most root + (1 + k) x the largest unit (the unit
+computing and k ahead), the number DESIGN.md holds the engine to.
 """
 
 from __future__ import annotations
@@ -23,17 +33,16 @@ class Scheduler:
         max_gathers_in_flight: int,
         forward_prefetch: bool,
         backward_prefetch: bool,
-        reshard_after_forward: bool,
     ):
         self.root, self.units = root, units
-        self.max_gathers_in_flight = max_gathers_in_flight
+        self.ahead = max_gathers_in_flight
         self.forward_prefetch, self.backward_prefetch = forward_prefetch, backward_prefetch
-        # Units that keep their parameters until backward ends (SHARD_GRAD_OP) are not prefetch
-        # memory: only gathers still in flight count for them.
-        self.count_resident = reshard_after_forward
         self.order: list[FSDPUnit] = []  # forward execution order of the non-root units
         self.order_known = False
+        self.backward_order: list[FSDPUnit] = []  # the order their backward hooks fired
+        self.backward_known = False
 
+    # ---- recording ---------------------------------------------------------------------------
     def begin_forward(self) -> None:
         """A forward of the whole model starts: the first records the order, later ones use it."""
         if self.order and not self.order_known:
@@ -45,47 +54,57 @@ class Scheduler:
         if not self.order_known:
             self.order.append(u)
 
+    def record_backward(self, u: FSDPUnit) -> None:
+        if not self.backward_known and u not in self.backward_order:
+            self.backward_order.append(u)
+
+    def end_backward(self) -> None:
+        """The first complete backward fixes the backward order."""
+        if self.backward_order:
+            self.backward_known = True
+
+    def keeps_after_forward(self, u: FSDPUnit) -> bool:
+        """The last unit of the forward keeps its parameters for the backward that starts right
+        after it (resharding would free them only to gather them again at once)."""
+        return self.order_known and bool(self.order) and u is self.order[-1]
+
     # ---- what to prefetch when ---------------------------------------------------------------
     def prefetch_first(self) -> None:
-        """At the root's forward: the first unit's gather overlaps the root's, bound allowing."""
-        if self.order_known and self.forward_prefetch and self.order:
-            self._prefetch(self.order[0], current=None)
+        """At the root's forward: the first k units."""
+        if self.order_known and self.forward_prefetch:
+            self._issue(self.order[: self.ahead])
 
     def prefetch_after(self, u: FSDPUnit) -> None:
-        """Forward of `u` about to compute: the next unit's gather."""
+        """Forward of `u` about to compute: the next k units."""
         if self.order_known and self.forward_prefetch:
-            nxt = self._neighbour(u, +1)
-            if nxt is not None:
-                self._prefetch(nxt, current=u)
+            self._issue(self._next(self.order, u))
 
-    def prefetch_last(self) -> None:
-        """Backward starts at the root: the last unit's gather."""
-        if self.backward_prefetch and self.order:
-            self._prefetch(self.order[-1], current=self.root)
+    def prefetch_backward_start(self) -> None:
+        """The loss gradient arrived: the first k units of the backward."""
+        if self.backward_prefetch:
+            self._issue(self._backward()[: self.ahead])
 
     def prefetch_before(self, u: FSDPUnit) -> None:
-        """Backward of `u` about to compute: the previous unit's gather."""
+        """Backward of `u` about to compute: the next k units of the backward."""
         if self.backward_prefetch:
-            prev = self._neighbour(u, -1)
-            if prev is not None:
-                self._prefetch(prev, current=u)
+            self._issue(self._next(self._backward(), u))
 
     # ---- internals ---------------------------------------------------------------------------
-    def _neighbour(self, u: FSDPUnit, step: int) -> Optional[FSDPUnit]:
-        if u not in self.order:
-            return None
-        i = self.order.index(u) + step
-        return self.order[i] if 0 <= i < len(self.order) else None
+    def _backward(self) -> list[FSDPUnit]:
+        return self.backward_order if self.backward_known else self.order[::-1]
 
-    def _prefetch(self, target: FSDPUnit, current: Optional[FSDPUnit]) -> None:
-        """Issue target's gather if the bound on resident units (other than `current`) allows."""
-        if target.is_resident():
-            return
-        resident = sum(
-            1
-            for x in (self.root, *self.units)
-            if x is not current
-            and (x.gather_in_flight() or (self.count_resident and x.is_resident()))
-        )
-        if resident < self.max_gathers_in_flight:
-            target.issue_gather()
+    def _next(self, order: list[FSDPUnit], u: FSDPUnit) -> list[FSDPUnit]:
+        i = _index(order, u)
+        return [] if i is None else order[i + 1 : i + 1 + self.ahead]
+
+    @staticmethod
+    def _issue(targets: list[FSDPUnit]) -> None:
+        for t in targets:
+            t.issue_gather()  # a no-op for a unit already gathered or in flight
+
+
+def _index(order: list[FSDPUnit], u: FSDPUnit) -> Optional[int]:
+    for i, x in enumerate(order):
+        if x is u:
+            return i
+    return None

@@ -7,15 +7,19 @@ any other saved (trainer/checkpointing.py turns these names into checkpoint keys
 
     for fqn, shape, start, t in param_pieces(fsdp): ...            # fp32 master weights
     for fqn, name, shape, start, t in optim_pieces(fsdp, opt): ... # AdamW exp_avg / exp_avg_sq
+    sharded_state_dict(fsdp)           # {fqn: LocalShard(shape, start, values)}, no copies
+    for fqn, t in iter_full_state(fsdp): ...  # whole parameters, one at a time, on rank 0
     load_params(fsdp, read)            # read(fqn, start, numel) -> those elements
     load_optim(fsdp, opt, read, step)  # read(fqn, state name, start, numel)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from .collectives import _all_gather
 from .flat_param import FlatParameter
@@ -52,6 +56,59 @@ def optim_pieces(fsdp: FSDPModel, optimizer: torch.optim.Optimizer):
                     )
 
 
+@dataclass(frozen=True)
+class LocalShard:
+    """The elements [start, start + values.numel()) of the flattened parameter of `shape` that
+    this rank holds (a view of its fp32 shard: writing it writes the model)."""
+
+    shape: tuple
+    start: int
+    values: torch.Tensor
+
+
+def sharded_state_dict(fsdp: FSDPModel) -> dict[str, LocalShard]:
+    """Every parameter this rank holds a piece of, by its name in the unwrapped model. Nothing is
+    communicated or copied; parameters lying wholly in other ranks' shards are absent."""
+    return {fqn: LocalShard(shape, start, t) for fqn, shape, start, t in param_pieces(fsdp)}
+
+
+def iter_full_state(
+    fsdp: FSDPModel, dtype: Optional[torch.dtype] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole parameter) on rank 0, one parameter at a time: each rank holding a piece of it
+    sends that piece to rank 0, which never holds more than the one parameter it yields (on the
+    device the shards live on; `dtype` casts it). Other ranks yield nothing, but every rank must
+    run the iterator to its end: the pieces are sent as it advances. With HYBRID_SHARD the first
+    replica's shard group sends; the others (identical) take no part."""
+    mesh = fsdp.mesh
+    if mesh.replicate_rank != 0:
+        return
+    me, group = mesh.shard_rank, mesh.shard_group
+    for flat in fsdp.flats():
+        n = flat.shard_numel
+        for info in flat.infos:
+            lo, hi = info.offset, info.offset + info.numel
+            owners = range(lo // n, (hi - 1) // n + 1)
+            if me == 0:
+                out = torch.empty(info.numel, dtype=torch.float32, device=flat.shard.device)
+                for r in owners:
+                    a, b = max(lo, r * n), min(hi, (r + 1) * n)
+                    if r == 0:
+                        out[a - lo : b - lo].copy_(flat.shard[a:b])
+                    else:  # shard rank r of the first replica is global rank r
+                        dist.recv(out[a - lo : b - lo], src=r, group=group)
+                yield info.fqn, out.view(info.shape).to(dtype or torch.float32)
+            elif me in owners:
+                a, b = max(lo, me * n), min(hi, (me + 1) * n)
+                dist.send(flat.shard[a - flat.lo : b - flat.lo].contiguous(), dst=0, group=group)
+
+
+def full_state_dict(fsdp: FSDPModel, dtype: Optional[torch.dtype] = None) -> dict:
+    """Every parameter whole, on rank 0 (an empty dict elsewhere); see iter_full_state. Rank 0
+    holds the whole model at the end: stream with iter_full_state for one that does not fit."""
+    return dict(iter_full_state(fsdp, dtype))
+
+
 def load_params(fsdp: FSDPModel, read: Callable[[str, int, int], torch.Tensor]) -> None:
     """Fill this rank's fp32 shards: read(fqn, start, numel) returns elements [start, start+numel)
     of the full parameter `fqn`, from any layout."""
@@ -69,11 +126,15 @@ def load_optim(
     names: tuple[str, ...] = OPTIM_STATES,
 ) -> None:
     """Create and fill this rank's optimizer state: read(fqn, state name, start, numel)."""
+    # The fused and capturable implementations keep the step count on the parameter's device.
+    on_device = any(optimizer.defaults.get(k) for k in ("fused", "capturable"))
     with torch.no_grad():
         for flat in (f for f in fsdp.flats() if f.requires_grad):
             for p, _, _ in flat.opt_params:
                 st = optimizer.state[p]
-                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+                st["step"] = torch.tensor(
+                    float(step), dtype=torch.float32, device=p.device if on_device else "cpu"
+                )
                 for name in names:
                     st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for info, start, count, off in flat.local_pieces():

@@ -54,7 +54,7 @@ class FSDPUnit:
     def __init__(
         self,
         name: str,
-        module: torch.nn.Module,
+        modules: tuple[torch.nn.Module, ...],
         flats: list[FlatParameter],
         owners: dict[str, torch.nn.Module],
         mesh: ShardMesh,
@@ -64,7 +64,7 @@ class FSDPUnit:
         reduce_dtype: torch.dtype,
         reshard_after_forward: bool,
     ):
-        self.name, self.module, self.flats, self.owners = name, module, flats, owners
+        self.name, self.modules, self.flats, self.owners = name, modules, flats, owners
         self.mesh, self.comm, self.acct = mesh, comm, acct
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
@@ -113,10 +113,12 @@ class FSDPUnit:
         prefetch()
         self.acct.event("compute_start", "forward", self.name)
 
-    def post_forward(self) -> None:
-        """After this unit's forward: free the gathered parameters if it reshards after forward."""
+    def post_forward(self, keep: bool = False) -> None:
+        """After this unit's forward: free the gathered parameters if it reshards after forward
+        and the scheduler does not `keep` them for a backward that starts at once. Without
+        gradients (evaluation, generation) nothing comes back for them: always free."""
         self.acct.event("compute_end", "forward", self.name)
-        if self.reshard_after_forward:
+        if not torch.is_grad_enabled() or (self.reshard_after_forward and not keep):
             self.reshard()
 
     def pre_backward(self, prefetch: Callable[[], None]) -> bool:
@@ -133,7 +135,14 @@ class FSDPUnit:
         return True
 
     def end_iteration(self) -> None:
-        """Backward is over (or a forward ran without gradients): back to the fp32 shards only."""
+        """Backward is over (or a forward ran without gradients): back to the fp32 shards only.
+
+        A gather may still be in flight: a unit prefetched for a backward that never ran (its
+        parameters frozen, or nothing upstream needing a gradient). It is waited for before its
+        buffer is freed: a collective still writing into freed memory would corrupt whatever
+        reuses it."""
+        if self._gather:
+            self.wait_gather()
         self.reshard()
         self.state = TrainingState.IDLE
 
@@ -156,19 +165,15 @@ class FSDPUnit:
         self.acct.alloc("gathered_params", self.gathered_bytes)
         for flat, buf in zip(self.flats, self._buf):
             _alloc_storage(buf)
-            # Cast before the gather: a bf16 gather moves half the bytes of an fp32 one.
-            src = (
-                flat.shard
-                if flat.shard.dtype == self.param_dtype
-                else flat.shard.to(self.param_dtype)
-            )
             if self.mesh.shard_size == 1:
-                buf.copy_(src)
+                buf.copy_(flat.shard)  # the compute-dtype copy is a local cast
                 self.gathered = True
             else:
+                # The shard is cast to the compute dtype before the gather (a bf16 gather moves
+                # half the bytes of an fp32 one), on the gather's stream.
                 self._gather.append(
                     self.comm.all_gather(
-                        buf, src, self.mesh.shard_group, self.mesh.shard_size, self.name
+                        buf, flat.shard, self.mesh.shard_group, self.mesh.shard_size, self.name
                     )
                 )
 

@@ -8,7 +8,7 @@ view of the gathered flat tensor before each use), and each rank holds only its 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -19,6 +19,9 @@ from .mesh import ShardMesh
 from .unit import FSDPUnit
 
 ROOT = "root"
+UnitSpec = Union[torch.nn.Module, tuple[torch.nn.Module, ...]]
+"""What a wrap policy names as one unit: a module, or modules that run one right after the other
+in forward (their parameters share the unit's flat parameters)."""
 InitFn = Callable[[torch.nn.Module, str], None]
 """init_fn(module, prefix): fill the (just materialised) parameters of `module`, whose fully
 qualified names start with `prefix`; must depend only on the names, so every rank agrees."""
@@ -31,9 +34,34 @@ def NO_INIT(module: torch.nn.Module, prefix: str) -> None:  # noqa: N802 -- a se
 
 
 def block_policy(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Default wrap policy: one unit per transformer block (children of a ModuleList `layers`)."""
+    """One unit per transformer block (children of a ModuleList `layers`); also the modules that
+    activation checkpointing wraps."""
     layers = getattr(model, "layers", None)
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
+def transformer_policy(model: torch.nn.Module) -> list[UnitSpec]:
+    """The default wrap policy: the token embedding, one unit per block, and the final norm with
+    the output projection, each its own unit; the root keeps nothing of its own.
+
+    At 8B the embedding and the output projection are 1.05B parameters: as one root they would
+    stay gathered the whole step and be reduced last, with nothing left to hide it. As units,
+    each is gathered only around its own forward and backward, and the head's reduction goes
+    out as backward starts. The norm belongs with the head: it runs right before it, and a
+    root-owned parameter's gradient would only be complete at the very end of backward. With
+    tied embeddings (`output` is None: the model's own forward reads the embedding's matrix for
+    the head) the embedding and the norm stay in the root."""
+    blocks = block_policy(model)
+    embedding, norm, output = (
+        getattr(model, name, None) for name in ("tok_embeddings", "norm", "output")
+    )
+    if not all(isinstance(m, torch.nn.Module) for m in (embedding, norm, output)):
+        return list(blocks)
+    return [embedding, *blocks, (norm, output)]
+
+
+def unit_modules(spec: UnitSpec) -> tuple[torch.nn.Module, ...]:
+    return tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
 
 
 class UnitBuilder:
@@ -55,18 +83,22 @@ class UnitBuilder:
         self.init_fn = init_fn
         self.names = {id(m): n for n, m in model.named_modules()}
 
+    def name(self, spec: UnitSpec) -> str:
+        return "+".join(self.names[id(m)] for m in unit_modules(spec))
+
     def unit(
         self,
         name: str,
-        module: torch.nn.Module,
+        spec: UnitSpec,
         reshard_after_forward: bool,
-        exclude: list[torch.nn.Module] = (),
+        exclude: list[UnitSpec] = (),
     ) -> FSDPUnit:
-        """The unit of `module`'s parameters, minus those of the modules in `exclude` (the root
-        excludes the other units). Trainable and frozen parameters get separate flats."""
-        excluded = {id(p) for m in exclude for p in m.parameters()}
+        """The unit of the parameters of `spec`'s modules, minus those of the units in `exclude`
+        (the root excludes the other units). Trainable and frozen parameters get separate flats."""
+        excluded = {id(p) for e in exclude for m in unit_modules(e) for p in m.parameters()}
+        modules = unit_modules(spec)
         owners, trainable, frozen, seen = {}, [], [], set()
-        for mod in module.modules():
+        for mod in (sub for m in modules for sub in m.modules()):
             for attr, p in list(mod.named_parameters(recurse=False)):
                 if id(p) in excluded or id(p) in seen:
                     continue
@@ -82,7 +114,7 @@ class UnitBuilder:
         ]
         return FSDPUnit(
             name,
-            module,
+            modules,
             flats,
             owners,
             self.mesh,

@@ -11,10 +11,11 @@ the log-probabilities, the per-parameter gradients before they are concatenated 
 Measured once per (model, micro-batch shape, compute dtype, checkpointing), for:
   block: bytes one block leaves alive for backward, the peak of its forward, the peak of its
          backward above the level it starts from (with checkpointing: the recompute);
-  root:  the embedding, final norm, output projection and loss: forward peak, what the head
-         leaves for backward, the peak of the head's backward, what is still alive when the head's
-         backward is done (the incoming gradient and the head's parameter gradients, which wait for
-         the embedding's before the root's flat gradient exists) and the embedding backward's peak.
+  root:  the embedding, final norm, output projection and loss (the embedding and head units
+         and the root): forward peak, what the head leaves for backward, the peak of the head's
+         backward, what is still alive when the head's backward is done (the gradient entering the
+         last block; with tied embeddings also the head's share of the root's flat gradient,
+         complete only after the embedding's) and the embedding backward's peak.
 trainer/plan/timeline.py composes them over n blocks.
 
 Fake tensors take their kernels from the CPU: scaled_dot_product_attention picks the CPU flash
@@ -65,8 +66,9 @@ class RootProfile:
     head_backward_peak: int
     """Peak of the loss + head backward."""
     after_head: int
-    """Alive when the head's backward is done: the gradient entering the last block and the head's
-    parameter gradients (held until the embedding's gradient completes the root's flat gradient)."""
+    """Alive when the head's backward is done: the gradient entering the last block (and, with
+    tied embeddings, the head's parameter gradient, held until the embedding's completes the
+    root's flat gradient)."""
     embedding_backward_peak: int
     """Peak of the embedding backward: its dense gradient and the root's flat gradient."""
 
@@ -138,25 +140,37 @@ def _profile(
     )
     fsdp = meta_engine(model, sharding, virtual_mesh(sharding, 0, 1))
     dtype = DType.parse(param_dtype, "sharding.param_dtype").torch
+    block_unit = next(u for u in fsdp.units if u.name.startswith("layers."))
     with FakeTensorMode():
-        _warm_rotary(fsdp.units[0].module, seq_len, dtype)
-        block = _trace_block(fsdp.units[0], rows, seq_len, model.dim, dtype)
+        _warm_rotary(block_unit.modules[0], seq_len, dtype)
+        block = _trace_block(block_unit, rows, seq_len, model.dim, dtype)
         root = _trace_root(fsdp, rows, seq_len, dtype)
     return ActivationProfile(rows, seq_len, block, root)
 
 
-def _bind_flat_views(unit, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Give the unit's modules their parameters as views of one flat tensor per FlatParameter, as
-    FSDPUnit.use_views does; the flat gradient is dropped when complete (the engine hands it to the
-    reduction, which trainer/plan/timeline.py accounts for)."""
+def _flat_tensors(unit, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One unsharded compute-dtype tensor per FlatParameter of the unit (the gathered parameters:
+    the timeline counts them, so they are made outside the tracker). The flat gradient is
+    dropped when complete (the engine hands it to the reduction, which the timeline counts)."""
     fulls = []
     for flat in unit.flats:
         full = torch.empty(flat.padded_numel, dtype=dtype, requires_grad=flat.requires_grad)
         if flat.requires_grad:
             full.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+        fulls.append(full)
+    return fulls
+
+
+def _use_views(unit, fulls: list[torch.Tensor]) -> None:
+    """The unit's parameters become views of its flat tensors, as FSDPUnit.use_views does."""
+    for flat, full in zip(unit.flats, fulls):
         for info, view in zip(flat.infos, flat.split_views(full)):
             setattr(unit.owners[info.module_name], info.attr, view)
-        fulls.append(full)
+
+
+def _bind_flat_views(unit, dtype: torch.dtype) -> list[torch.Tensor]:
+    fulls = _flat_tensors(unit, dtype)
+    _use_views(unit, fulls)
     return fulls
 
 
@@ -178,7 +192,7 @@ def _trace_block(unit, rows: int, seq_len: int, dim: int, dtype: torch.dtype) ->
         x = x_leaf * 1  # a non-leaf input: it stays alive only if the block saves it
         before = tracker.current - _nbytes(x)
         tracker.restart_peak()
-        y = unit.module.forward(x)  # the engine's forward: checkpointed when configured
+        y = unit.modules[0].forward(x)  # the engine's forward: checkpointed when configured
         forward_peak = tracker.restart_peak() - before
         del x
         retained = tracker.current - before - _nbytes(y)
@@ -192,10 +206,21 @@ def _trace_block(unit, rows: int, seq_len: int, dim: int, dtype: torch.dtype) ->
 
 
 def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype) -> RootProfile:
-    """The model's own forward with no blocks: embedding -> norm -> output, then loss_sum."""
+    """The model's own forward with no blocks: embedding -> norm -> output, then loss_sum. Each
+    unit's flat gradient is dropped as it completes (the head's when the head's backward ends)."""
     model = fsdp.module
     model.layers = torch.nn.ModuleList()
+    # As the engine does: a unit's parameters become views as it starts its forward, so the
+    # head's flat gradient completes (and is dropped) as the head's backward ends.
     fulls = _bind_flat_views(fsdp.root, dtype)
+    for u in fsdp.units:
+        if not u.name.startswith("layers."):
+            for m in u.modules:  # this throwaway engine's own hooks must not run in the trace
+                m._forward_pre_hooks.clear()
+                m._forward_hooks.clear()
+            mine = _flat_tensors(u, dtype)
+            fulls.extend(mine)
+            u.modules[0].register_forward_pre_hook(lambda m, a, u=u, f=mine: _use_views(u, f))
     tokens = torch.zeros(rows, seq_len, dtype=torch.long)
     targets = torch.zeros(rows, seq_len, dtype=torch.long)
     marks: dict[str, int] = {}
@@ -219,5 +244,5 @@ def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype) -> RootProfil
         retained = tracker.current
         loss.backward()
         embedding_peak = tracker.restart_peak()
-    del fulls
+    fulls.clear()
     return RootProfile(forward_peak, retained, marks["peak"], marks["after"], embedding_peak)

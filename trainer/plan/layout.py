@@ -1,12 +1,12 @@
 """The exact per-worker layout: the engine itself, wrapped on the meta device over a virtual mesh.
 
-Nothing is re-derived here. `parallelize` builds the engine's units (one per block + the root),
-flattens and pads every FlatParameter to a multiple of the shard-group size and creates the
-optimizer views, all on the meta device, so the 8B model costs a fraction of a second (after
-torch's one-time imports) and no memory. We then read the engine's own numbers: the
-`sharded_params` it accounts at construction, each flat's `shard_numel` / `padded_numel`, each
-unit's `gathered_bytes` and `alias`, and the optimizer views (AdamW keeps exp_avg and
-exp_avg_sq, fp32, for exactly those elements: padding has no state).
+Nothing is re-derived here. `parallelize` builds the engine's units (the embedding, one per
+block, the head and the root), flattens and pads every FlatParameter to a multiple of the
+shard-group size and creates the optimizer views, all on the meta device, so the 8B model costs
+a fraction of a second (after torch's one-time imports) and no memory. We then read the
+engine's own numbers: the `sharded_params` it accounts at construction, each flat's
+`shard_numel` / `padded_numel`, each unit's `gathered_bytes` and `alias`, and the optimizer views
+(AdamW keeps exp_avg and exp_avg_sq, fp32, for exactly those elements: padding has no state).
 
 The virtual mesh has no process groups: nothing communicates at construction.
 """
@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
 from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
 from trainer.fsdp import FSDPModel, ShardMesh, parallelize, virtual_mesh
+from trainer.fsdp.wrap import ROOT
 from trainer.model import build_model
 
 ADAM_STATES = (
@@ -33,6 +35,7 @@ class UnitLayout:
     """One engine unit as rank `rank` holds it."""
 
     name: str
+    kind: str  # "embedding", "block", "head" (final norm + output projection) or "root"
     padded: tuple[int, ...]  # padded_numel of each FlatParameter
     shard: tuple[int, ...]  # shard_numel of each FlatParameter (same on every rank)
     trainable: tuple[bool, ...]  # requires_grad of each FlatParameter
@@ -40,9 +43,6 @@ class UnitLayout:
         int  # the unsharded compute-dtype buffers while gathered (0 if the shard is aliased)
     )
     opt_numel: int  # elements this rank keeps optimizer state for (real elements only, no padding)
-    largest_opt_view: (
-        int  # largest single optimizer view on this rank (AdamW temporaries scale with it)
-    )
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,24 @@ class Layout:
     rank: int
     num_params: int
     root: UnitLayout
-    blocks: tuple[UnitLayout, ...]
+    units: tuple[UnitLayout, ...]
+    """The non-root units in forward order: the embedding, the blocks, the head (with tied
+    embeddings only the blocks: the embedding and the norm are the root's)."""
     sharded_params: int  # bytes, as the engine accounts them at construction
     sharded_grads: int  # bytes of the fp32 gradient shards (allocated at the first reduction)
     optim_state: int  # bytes of AdamW state on this rank
 
     @property
-    def units(self) -> tuple[UnitLayout, ...]:
-        return (self.root, *self.blocks)
+    def blocks(self) -> tuple[UnitLayout, ...]:
+        return tuple(u for u in self.units if u.kind == "block")
+
+    @property
+    def all_units(self) -> tuple[UnitLayout, ...]:
+        return (self.root, *self.units)
+
+    def index(self, kind: str) -> Optional[int]:
+        """Forward position of the first unit of `kind` (None if the model has none)."""
+        return next((i for i, u in enumerate(self.units) if u.kind == kind), None)
 
 
 def meta_engine(model: ModelConfig, sharding: ShardingConfig, mesh: ShardMesh) -> FSDPModel:
@@ -103,7 +113,6 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
     )
     mesh = virtual_mesh(sharding, rank, world_size, local_world_size)
     fsdp = meta_engine(model, sharding, mesh)
-    units = [_unit(u) for u in fsdp.all_units()]
     flats = list(fsdp.flats())
     return Layout(
         strategy=sharding.strategy,
@@ -112,8 +121,8 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
         replicate_size=mesh.replicate_size,
         rank=rank,
         num_params=fsdp.num_params(),
-        root=units[0],
-        blocks=tuple(units[1:]),
+        root=_unit(fsdp.root),
+        units=tuple(_unit(u) for u in fsdp.units),
         sharded_params=fsdp.acct.live["sharded_params"],
         # the fp32 gradient shard is allocated like the parameter shard, at the first reduction
         sharded_grads=sum(
@@ -129,13 +138,22 @@ def _unit(u) -> UnitLayout:
     views = [p.numel() for f in u.flats for p, _, _ in f.opt_params]
     return UnitLayout(
         name=u.name,
+        kind=_kind(u.name),
         padded=tuple(f.padded_numel for f in u.flats),
         shard=tuple(f.shard_numel for f in u.flats),
         trainable=tuple(f.requires_grad for f in u.flats),
         gathered_bytes=0 if u.alias else u.gathered_bytes,
         opt_numel=sum(views),
-        largest_opt_view=max(views, default=0),
     )
+
+
+def _kind(name: str) -> str:
+    """The role of a unit of trainer/model.py by its name (transformer_policy's units)."""
+    if name == ROOT:
+        return "root"
+    if name.startswith("layers."):
+        return "block"
+    return "embedding" if name == "tok_embeddings" else "head"
 
 
 def _frozen(model: ModelConfig) -> tuple:

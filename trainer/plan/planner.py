@@ -37,6 +37,8 @@ class MemoryPlan:
     model: str
     num_params: int
     num_units: int
+    """Units besides the root, in forward order: their kinds (embedding, block, head)."""
+    unit_kinds: tuple
     strategy: str
     world_size: int
     shard_size: int
@@ -44,6 +46,7 @@ class MemoryPlan:
     param_dtype: str
     reduce_dtype: str
     activation_checkpointing: bool
+    sharded_grad_accumulation: bool
     rows: int
     """Sequences in this worker's largest micro-batch."""
     seq_len: int
@@ -82,7 +85,8 @@ class MemoryPlan:
 
     def label(self) -> str:
         ckpt = "with" if self.activation_checkpointing else "without"
-        return f"{self.strategy} {ckpt} activation checkpointing"
+        accumulation = ", sharded gradient accumulation" if self.sharded_grad_accumulation else ""
+        return f"{self.strategy} {ckpt} activation checkpointing{accumulation}"
 
     def table(self) -> str:
         return format_plan(self)
@@ -121,6 +125,7 @@ def plan(
         model=model.name,
         num_params=lay.num_params,
         num_units=len(lay.units),
+        unit_kinds=tuple(u.kind for u in lay.units) + (("root",) if lay.root.padded else ()),
         strategy=lay.strategy.value,
         world_size=world_size,
         shard_size=lay.shard_size,
@@ -128,6 +133,7 @@ def plan(
         param_dtype=sh.param_dtype,
         reduce_dtype=sh.reduce_dtype,
         activation_checkpointing=bool(sh.activation_checkpointing),
+        sharded_grad_accumulation=bool(sh.sharded_grad_accumulation and micro > 1),
         rows=rows,
         seq_len=cfg.data.seq_len,
         micro_batches=micro,
@@ -149,21 +155,27 @@ def _activation_peak(t: StepTimeline) -> int:
 def candidates(
     cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
 ) -> list[MemoryPlan]:
-    """Every strategy x activation checkpointing at this world size, dtypes as configured."""
+    """Every strategy x activation checkpointing (x, with micro-batches, sharded gradient
+    accumulation) at this world size, dtypes as configured."""
     out = []
+    accumulations = (False, True) if cfg.train.micro_batches > 1 else (False,)
     for strategy in _strategies(cfg, world_size, local_world_size):
         for ac in (False, True):
-            sharding = dataclasses.replace(
-                cfg.sharding, strategy=strategy.value, activation_checkpointing=ac
-            )
-            out.append(
-                plan(
-                    dataclasses.replace(cfg, sharding=sharding),
-                    world_size,
-                    device_memory_bytes,
-                    local_world_size,
+            for sharded in accumulations:
+                sharding = dataclasses.replace(
+                    cfg.sharding,
+                    strategy=strategy.value,
+                    activation_checkpointing=ac,
+                    sharded_grad_accumulation=sharded,
                 )
-            )
+                out.append(
+                    plan(
+                        dataclasses.replace(cfg, sharding=sharding),
+                        world_size,
+                        device_memory_bytes,
+                        local_world_size,
+                    )
+                )
     return out
 
 
@@ -188,7 +200,9 @@ def recommend(
     cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
 ) -> list[MemoryPlan]:
     """The options that fit, fewest bytes moved per step first; among equals, no recomputation
-    (checkpointing off) first, then the least memory. Empty when nothing fits."""
+    (checkpointing off) first, then the least memory. Empty when nothing fits. Sharded gradient
+    accumulation moves micro_batches x the reduce-scatter bytes, so it comes first only where
+    keeping the unsharded gradients does not fit."""
     fitting = [
         p for p in candidates(cfg, world_size, device_memory_bytes, local_world_size) if p.fits
     ]
@@ -198,10 +212,24 @@ def recommend(
 def check_fits(
     cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
 ) -> MemoryPlan:
-    """The plan, or ConfigError with the breakdown and what would fit: call before workers start."""
+    """The plan, or ConfigError with the breakdown and what would fit: call before workers start.
+
+    With micro-batches whose unsharded gradients do not fit, the plan with sharded gradient
+    accumulation is returned when that one fits (same gradients, more reduce-scatter traffic):
+    the caller turns it on (trainer/loop.py does, and says so)."""
     p = plan(cfg, world_size, device_memory_bytes, local_world_size)
     if p.fits:
         return p
+    if cfg.train.micro_batches > 1 and not cfg.sharding.sharded_grad_accumulation:
+        sharding = dataclasses.replace(cfg.sharding, sharded_grad_accumulation=True)
+        alt = plan(
+            dataclasses.replace(cfg, sharding=sharding),
+            world_size,
+            device_memory_bytes,
+            local_world_size,
+        )
+        if alt.fits:
+            return alt
 
     options = recommend(cfg, world_size, device_memory_bytes, local_world_size)
     raise ConfigError(

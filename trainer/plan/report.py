@@ -40,14 +40,12 @@ def format_plan(p: "MemoryPlan") -> str:
             peak.root_activations,
             tl.max_of("root_activations"),
         ),
-        ("optimizer step temporaries", peak.optimizer_temps, tl.max_of("optimizer_temps")),
     ]
     ckpt = "on" if p.activation_checkpointing else "off"
     replicas = f"{p.replicate_size} replica{'s' if p.replicate_size > 1 else ''}"
     lines = [
-        f"Memory plan per worker: model {p.model} ({_count(p.num_params)} parameters, "
-        f"{p.num_units} units: "
-        f"{p.num_units - 1} blocks + root)",
+        f"Memory plan per worker: model {p.model} ({_count(p.num_params)} parameters; "
+        f"units: {_units(p.unit_kinds)})",
         f"  {p.strategy} on {p.world_size} workers (shard group {p.shard_size} x {replicas}); "
         f"params {p.param_dtype}, reduce {p.reduce_dtype}",
         f"  micro-batch {p.rows} x {p.seq_len} tokens, {p.micro_batches} per step; "
@@ -94,6 +92,15 @@ def format_recommendation(options: list["MemoryPlan"], configured: "MemoryPlan")
         for o in options[1:]
     ]
     return "\n".join(lines)
+
+
+def _units(kinds: tuple) -> str:
+    """('embedding', 'block', 'block', 'head') -> 'embedding, 2 blocks, head'."""
+    out = []
+    for kind in dict.fromkeys(kinds):
+        n = kinds.count(kind)
+        out.append(f"{n} {kind}s" if n > 1 else kind)
+    return ", ".join(out)
 
 
 def _count(n: int) -> str:

@@ -5,26 +5,32 @@ parameters, unsharded gradients and communication buffers (from the engine's sch
 exact unit sizes of trainer/plan/layout.py). The persistent state (parameter, gradient and
 optimizer shards) is alive in every phase. The step's peak is the largest phase.
 
-The engine's schedule, as trainer/fsdp/engine.py runs it (steady state: the execution order known):
-- gathered: FULL_SHARD / HYBRID_SHARD keep the root from its forward to the end of backward and
-  one block computing, plus the next block's gather when prefetch is on and
-  max_gathers_in_flight >= 2 (the root counts against the bound, so at most one block ahead).
-  SHARD_GRAD_OP and NO_SHARD keep every unit gathered from its forward to the end of backward
-  (NO_SHARD holds only the replicated compute copy, none at all in fp32, where the shard is the
-  parameter). The all-gather input, when cast to the compute dtype, lives until the gather waits.
+The engine's schedule, as trainer/fsdp/engine.py runs it (steady state: both orders known). The
+units in forward order are the embedding, the blocks and the head (final norm + output
+projection); the root holds nothing of its own (with tied embeddings: the embedding and the
+norm, gathered the whole step). k = sharding.max_gathers_in_flight.
+- gathered: FULL_SHARD / HYBRID_SHARD hold the unit computing and the next k units of the
+  order (forward, or backward = reversed forward), with prefetch on; the head keeps its
+  parameters from its forward into the backward that starts with it. SHARD_GRAD_OP and NO_SHARD
+  keep every unit gathered from its forward to the end of backward (NO_SHARD holds only the
+  replicated compute copy, none at all in fp32, where the shard is the parameter). The
+  all-gather input, when cast to the compute dtype, lives until the gather waits.
 - unsharded gradients: when a unit's flat gradient is complete it is cast to reduce_dtype and
-  handed to an asynchronous reduce-scatter (all-reduce for NO_SHARD); the engine waits for every
-  reduction only when backward ends, and the handle keeps its input alive until then, so the
-  reduce-dtype gradients of all finished units coexist until the end of backward. The
-  reduce-scatter outputs (one shard per unit) are the communication buffers.
+  handed to an asynchronous reduce-scatter (all-reduce for NO_SHARD), the head's first; the
+  oldest is retired (its input freed) once more than max_reductions_in_flight are pending.
+  The reduce-scatter outputs (one shard per unit) are the communication buffers.
 - micro-batches: with train.micro_batches > 1 the earlier micro-batches keep every unit's
-  unsharded gradient in reduce_dtype (no_sync), so the last micro-batch runs with all of them.
-- optimizer step (AdamW, foreach=False): two temporaries of the largest optimizer view.
+  unsharded gradient in reduce_dtype (no_sync), so the last micro-batch runs with all of them;
+  with sharding.sharded_grad_accumulation every micro-batch reduces instead, and nothing is kept.
+- optimizer step: the fused AdamW the trainer runs on CUDA allocates no temporaries (the foreach
+  one it runs on a CPU allocates one fp32 copy of exp_avg_sq per parameter group; not modelled:
+  the planner plans GPU jobs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from trainer.config import ShardingConfig, ShardingStrategy
 
@@ -40,7 +46,6 @@ class Phase:
     gathered_params: int = 0
     unsharded_grads: int = 0
     comm_buffers: int = 0
-    optimizer_temps: int = 0
 
     @property
     def transient(self) -> int:
@@ -50,7 +55,6 @@ class Phase:
             + self.gathered_params
             + self.unsharded_grads
             + self.comm_buffers
-            + self.optimizer_temps
         )
 
 
@@ -58,6 +62,10 @@ class Phase:
 class StepTimeline:
     persistent: int
     phases: tuple[Phase, ...] = field(default_factory=tuple)
+    hand_off_peak: int = 0
+    """Unsharded gradients alive at the worst hand-off to the reducer, the one handed off counted
+    (the phases count it with the activations that produced it): what the engine's accounting
+    reports as its unsharded_grads peak."""
 
     @property
     def peak_phase(self) -> Phase:
@@ -77,13 +85,16 @@ def step_timeline(
     persistent = lay.sharded_params + lay.sharded_grads + lay.optim_state
     gathered = _Gathered(lay, sharding)
     grads = _Grads(lay, sharding, micro_batches)
-    n, b, r = len(lay.blocks), acts.block, acts.root
+    blocks = [i for i, u in enumerate(lay.units) if u.kind == "block"]  # forward positions
+    n, b, r = len(blocks), acts.block, acts.root
+    head, embedding = lay.index("head"), lay.index("embedding")
+    head_at = len(lay.units) if head is None else head  # tied: the head is the root's
     casts = gathered.cast_inputs()
     phases = [
         Phase(
             f"forward of block {n - 1}",
             block_activations=(n - 1) * b.retained + b.forward_peak,
-            gathered_params=gathered.forward(),
+            gathered_params=gathered.forward(blocks[-1]),
             unsharded_grads=grads.before_backward(),
             comm_buffers=casts,
         ),
@@ -91,29 +102,31 @@ def step_timeline(
             "loss and head backward",
             block_activations=n * b.retained,
             root_activations=max(r.forward_peak, r.head_backward_peak),
-            gathered_params=gathered.head(),
+            gathered_params=gathered.backward(head_at),
             unsharded_grads=grads.before_backward(),
             comm_buffers=casts,
         ),
     ]
     for j in reversed(range(n)):
-        unsharded, outputs = grads.during_block(j)
+        unsharded, outputs = grads.handed_off_through(blocks[j])
         phases.append(
             Phase(
                 f"backward of block {j}",
                 block_activations=(j + 1) * b.retained + b.backward_peak,
                 root_activations=r.after_head,
-                gathered_params=gathered.backward(),
+                gathered_params=gathered.backward(blocks[j]),
                 unsharded_grads=unsharded,
                 comm_buffers=outputs + casts,
             )
         )
-    unsharded, outputs = grads.embedding_backward()
+    unsharded, outputs = grads.handed_off_through(0 if embedding is None else embedding)
     phases.append(
         Phase(
             "embedding backward",
             root_activations=r.embedding_backward_peak,
-            gathered_params=gathered.root_only(),
+            gathered_params=gathered.backward(embedding)
+            if embedding is not None
+            else gathered.root,
             unsharded_grads=unsharded,
             comm_buffers=outputs,
         )
@@ -122,13 +135,13 @@ def step_timeline(
     phases.append(
         Phase(
             "end of backward",
-            gathered_params=gathered.root_only(),
+            gathered_params=gathered.root,
             unsharded_grads=unsharded,
             comm_buffers=outputs,
         )
     )
-    phases.append(Phase("optimizer step", optimizer_temps=_optimizer_temps(lay)))
-    return StepTimeline(persistent, tuple(phases))
+    phases.append(Phase("optimizer step"))
+    return StepTimeline(persistent, tuple(phases), grads.hand_off_peak())
 
 
 class _Gathered:
@@ -137,38 +150,31 @@ class _Gathered:
     def __init__(self, lay: Layout, sharding: ShardingConfig):
         self.lay, self.cfg = lay, sharding
         self.keep_all = lay.strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
-        self.blocks = sorted((u.gathered_bytes for u in lay.blocks), reverse=True)
-        self.everything = lay.root.gathered_bytes + sum(self.blocks)
-        ahead = sharding.max_gathers_in_flight >= 2
-        self.forward_blocks = 1 + int(sharding.forward_prefetch and ahead)
-        self.backward_blocks = 1 + int(sharding.backward_prefetch and ahead)
+        self.sizes = [u.gathered_bytes for u in lay.units] + [0]  # [len]: the tied head (root)
+        self.root = lay.root.gathered_bytes
+        k = sharding.max_gathers_in_flight
+        self.forward_k = k if sharding.forward_prefetch else 0
+        self.backward_k = k if sharding.backward_prefetch else 0
 
-    def _root_plus(self, k: int) -> int:
-        return (
-            self.everything
-            if self.keep_all
-            else self.lay.root.gathered_bytes + sum(self.blocks[:k])
-        )
+    def forward(self, i: int) -> int:
+        """Unit i computes its forward; the next k are prefetched."""
+        if self.keep_all:
+            return self.root + sum(self.sizes[: i + 1 + self.forward_k])
+        return self.root + sum(self.sizes[i : i + 1 + self.forward_k])
 
-    def forward(self) -> int:
-        return self._root_plus(self.forward_blocks)
-
-    def head(self) -> int:  # the last block's gather is issued as the loss gradient arrives
-        return self._root_plus(int(self.cfg.backward_prefetch))
-
-    def backward(self) -> int:
-        return self._root_plus(self.backward_blocks)
-
-    def root_only(self) -> int:
-        return self._root_plus(0)
+    def backward(self, i: int) -> int:
+        """Unit i computes its backward; the next k of the backward order are prefetched."""
+        if self.keep_all:
+            return self.root + sum(self.sizes)
+        return self.root + sum(self.sizes[max(0, i - self.backward_k) : i + 1])
 
     def cast_inputs(self) -> int:
         """fp32 shards cast to the compute dtype before a gather, alive while it is in flight."""
         if self.cfg.param_dtype == "float32" or self.lay.shard_size == 1:
             return 0
         size = self.cfg.param_dtype.itemsize
-        shards = sorted((sum(u.shard) for u in self.lay.units), reverse=True)
-        return size * sum(shards[: max(self.forward_blocks, self.backward_blocks)])
+        shards = sorted((sum(u.shard) for u in self.lay.all_units), reverse=True)
+        return size * sum(shards[: 1 + max(self.forward_k, self.backward_k)])
 
 
 class _Grads:
@@ -176,46 +182,54 @@ class _Grads:
 
     A unit's flat gradient is first built by autograd in the compute dtype; the activation traces
     measure that one. When reduce_dtype differs the engine casts it, and both exist at the hand-off;
-    when it does not, the traced tensor IS the one handed off, so it is not counted twice."""
+    when it does not, the traced tensor IS the one handed off, so it is not counted twice.
+    Units are keyed by forward position; the root (trainable only with tied embeddings) is -1,
+    handed off last."""
 
     def __init__(self, lay: Layout, sharding: ShardingConfig, micro_batches: int):
         size = sharding.reduce_dtype.itemsize
-        self.unsharded = [
-            size * sum(p for p, t in zip(u.padded, u.trainable) if t) for u in lay.units
-        ]
         scattered = lay.shard_size > 1  # with one rank per shard group the reduction is in place
-        self.outputs = [
-            size * sum(s for s, t in zip(u.shard, u.trainable) if t) if scattered else 0
-            for u in lay.units
-        ]
-        self.accumulated = sum(self.unsharded) if micro_batches > 1 else 0
+
+        def grad(u):
+            return size * sum(p for p, t in zip(u.padded, u.trainable) if t)
+
+        def out(u):
+            return size * sum(s for s, t in zip(u.shard, u.trainable) if t) if scattered else 0
+
+        units = dict(enumerate(lay.units))
+        units[-1] = lay.root
+        self.unsharded = {i: grad(u) for i, u in units.items()}
+        self.outputs = {i: out(u) for i, u in units.items()}
+        # backward order of the units with a gradient: reversed forward, the root last
+        self.order = [i for i in [*range(len(lay.units) - 1, -1, -1), -1] if self.unsharded[i]]
+        kept = micro_batches > 1 and not sharding.sharded_grad_accumulation
+        self.accumulated = sum(self.unsharded.values()) if kept else 0
         self.cast = sharding.reduce_dtype != sharding.param_dtype
         self.bound = sharding.max_reductions_in_flight
 
     def before_backward(self) -> int:
         return self.accumulated
 
-    def _alive(self, handed_off: list[int], current: int) -> tuple[int, int]:
-        """handed_off: unit indices handed to the reduction so far, in hand-off order; current: the
-        unit finishing now. The engine folds in the oldest once more than `bound` are pending, so
-        the newest bound + 1 (the one being issued) are alive."""
+    def _alive(self, handed_off: list[int], current: Optional[int]) -> tuple[int, int]:
+        """handed_off: units handed to the reduction so far, in hand-off order; current: the unit
+        finishing now. The engine retires the oldest once more than `bound` are pending, so the
+        newest bound + 1 (the one being issued) are alive."""
         handed_off = handed_off[-(self.bound + 1) :]
         grads = sum(self.unsharded[i] for i in handed_off if i != current or self.cast)
         return max(self.accumulated, grads), sum(self.outputs[i] for i in handed_off)
 
-    def during_block(self, j: int) -> tuple[int, int]:
-        """Backward of block j: blocks j..n-1 handed off (block j is unit j + 1; the root is
-        unit 0)."""
-        return self._alive(list(range(len(self.unsharded) - 1, j, -1)), current=j + 1)
+    def handed_off_through(self, i: int) -> tuple[int, int]:
+        """Backward of unit i (forward position): it and every unit after it handed off."""
+        upto = [u for u in self.order if u >= i]
+        return self._alive(upto, current=i)
 
-    def embedding_backward(self) -> tuple[int, int]:
-        return self._alive(list(range(len(self.unsharded) - 1, -1, -1)), current=0)
+    def hand_off_peak(self) -> int:
+        window = self.bound + 1
+        alive = [
+            sum(self.unsharded[i] for i in self.order[max(0, n - window) : n])
+            for n in range(1, len(self.order) + 1)
+        ]
+        return max([self.accumulated, *alive])
 
     def all_handed_off(self) -> tuple[int, int]:
-        return self._alive(list(range(len(self.unsharded) - 1, -1, -1)), current=-1)
-
-
-def _optimizer_temps(lay: Layout) -> int:
-    """AdamW (single-tensor) builds denom = exp_avg_sq.sqrt() / c: two fp32 temporaries of a
-    view."""
-    return 2 * 4 * max(u.largest_opt_view for u in lay.units)
+        return self._alive(self.order, current=None)

@@ -4,11 +4,12 @@ The engine's Accounting.record_comm is replayed for each collective the schedule
 numbers are the ones a training step reports (ring algorithms: an all-gather of T output bytes or
 a reduce-scatter of T input bytes over N ranks moves T(N-1)/N; an all-reduce twice that).
 
-Per micro-batch: FULL_SHARD / HYBRID_SHARD gather every unit in forward and every block again in
-backward (the root stays gathered); SHARD_GRAD_OP gathers every unit once; NO_SHARD gathers
-nothing. Once per step, on the last micro-batch: a reduce-scatter of every flat gradient inside the
-shard group, then (HYBRID_SHARD) an all-reduce of the shard across replicas; NO_SHARD all-reduces
-the whole gradient.
+Per micro-batch: FULL_SHARD / HYBRID_SHARD gather every unit in forward and again in backward,
+but the root (gathered all step) and the last unit of the forward (kept for the backward that
+starts with it); SHARD_GRAD_OP gathers every unit once; NO_SHARD gathers nothing. Once per step,
+on the last micro-batch (every micro-batch with sharding.sharded_grad_accumulation): a
+reduce-scatter of every flat gradient inside the shard group, then (HYBRID_SHARD) an all-reduce of
+the shard across replicas; NO_SHARD all-reduces the whole gradient.
 """
 
 from __future__ import annotations
@@ -28,21 +29,25 @@ def bytes_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) ->
         for unit in _gathered_per_micro_batch(lay):
             for padded in unit.padded:
                 acct.record_comm("all_gather", padded * p, lay.shard_size)
-    for unit in lay.units:
-        for padded, shard, trainable in zip(unit.padded, unit.shard, unit.trainable):
-            if not trainable:
-                continue
-            if lay.shard_size > 1:
-                acct.record_comm("reduce_scatter", padded * r, lay.shard_size)
-                acct.record_comm("all_reduce", shard * r, lay.replicate_size)
-            else:
-                acct.record_comm("all_reduce", padded * r, lay.replicate_size)
+    reductions = micro_batches if sharding.sharded_grad_accumulation else 1
+    for _ in range(reductions):
+        for unit in lay.all_units:
+            for padded, shard, trainable in zip(unit.padded, unit.shard, unit.trainable):
+                if not trainable:
+                    continue
+                if lay.shard_size > 1:
+                    acct.record_comm("reduce_scatter", padded * r, lay.shard_size)
+                    acct.record_comm("all_reduce", shard * r, lay.replicate_size)
+                else:
+                    acct.record_comm("all_reduce", padded * r, lay.replicate_size)
     return {op: acct.comm_bytes.get(op, 0) for op in OPS}
 
 
 def _gathered_per_micro_batch(lay: Layout) -> list[UnitLayout]:
+    """Every unit in forward; FULL_SHARD / HYBRID_SHARD every unit again in backward but the last
+    of the forward, which keeps its parameters into the backward that starts with it."""
     if lay.shard_size == 1:
         return []  # the compute copy is a local cast: nothing on the wire
     if lay.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
-        return [*lay.units, *lay.blocks]
-    return list(lay.units)
+        return [*lay.all_units, *lay.units[:-1]]
+    return list(lay.all_units)
