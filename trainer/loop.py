@@ -153,6 +153,8 @@ class Trainer:
         self.step = 0
         self.loader: Optional[Loader] = None
         self.result = TrainResult(0, float("nan"))
+        self._unread: list[tuple[int, torch.Tensor]] = []  # (step, loss) not read back yet
+        self._since = (time.perf_counter(), 0)  # (time, step) of the last logged step
 
     def load_hf_weights(self) -> None:
         """Start from the Hugging Face checkpoint at model.hf_path: each rank reads the byte
@@ -171,7 +173,15 @@ class Trainer:
 
         torch.cuda.set_device(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        check_fits(self.cfg, self.world, total, self.ctx.local_world_size)
+        p = check_fits(self.cfg, self.world, total, self.ctx.local_world_size)
+        if p.sharded_grad_accumulation and not self.cfg.sharding.sharded_grad_accumulation:
+            self.print0(
+                f"memory: {self.cfg.train.micro_batches} micro-batches of unsharded gradients do "
+                "not fit; reducing every micro-batch into the gradient shards instead "
+                "(sharding.sharded_grad_accumulation=true)"
+            )
+            sharding = dataclasses.replace(self.cfg.sharding, sharded_grad_accumulation=True)
+            self.cfg = dataclasses.replace(self.cfg, sharding=sharding)
 
     def run(self) -> TrainResult:
         r = self.result
@@ -188,6 +198,7 @@ class Trainer:
             self.cfg.data.prefetch_steps,
             pin=self.device.type == "cuda",
         )
+        self._since = (time.perf_counter(), self.step)  # the clock of the next logged step
         try:
             while self.step < self.cfg.train.steps:
                 if self.stop_requested():
@@ -197,23 +208,26 @@ class Trainer:
                     break
                 if self.ctx.before_step is not None:
                     self.ctx.before_step(self.step)
-                t0 = time.perf_counter()
                 loss, norm = self.train_step()
-                seconds = time.perf_counter() - t0
-                r.losses.append((self.step - 1, loss))
-                r.final_loss = loss
-                self.log_step(loss, norm, seconds, self.maybe_evaluate())
+                self._unread.append((self.step - 1, loss))
+                if self.is_log_step():
+                    seconds = self.step_seconds()  # before evaluating: eval is not a train step
+                    self.log_step(norm, seconds, self.maybe_evaluate())
+                    self._since = (time.perf_counter(), self.step)
                 self.checkpointer.after_step(self.step)
         finally:
             self.loader.close()
+        self.read_losses()
         r.last_checkpoint = self.checkpointer.close(self.step)
         r.steps_done, r.resumed_from = self.step, self.checkpointer.resumed_from
         return r
 
     # ---- one step ----------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        """Forward/backward over this rank's micro-batches, clip, optimizer step.
-        Returns (loss, grad norm)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over this rank's micro-batches, clip, optimizer step. Returns (mean
+        token loss, grad norm) as device scalars: nothing in the step waits for the device
+        (batches come from pinned memory with non_blocking copies; only an fp16 overflow check
+        reads a flag back). They are read on logging steps."""
         n_micro = self.cfg.train.micro_batches
         set_lr(self.optimizer, lr_at(self.cfg.optim, self.cfg.train.steps, self.step))
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -237,12 +251,15 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(loss_total)
         self.step += 1
-        return float(loss_total) / self.global_tokens, float(norm)
+        return loss_total / self.global_tokens, norm
+
+    def eval_due(self) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every) and (self.step % every == 0 or self.step == self.cfg.train.steps)
 
     def maybe_evaluate(self) -> Optional[float]:
         """The loss on the fixed held-out sequences, every train.eval_every steps and at the end."""
-        every = self.cfg.train.eval_every
-        if not every or (self.step % every and self.step != self.cfg.train.steps):
+        if not self.eval_due():
             return None
         loss = evaluate(
             self.model, self.eval_batches, self.rank, self.world, self.eval_rows(), self.device
@@ -265,18 +282,36 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag.item())
 
-    def log_step(
-        self, loss: float, norm: float, seconds: float, eval_loss: Optional[float]
-    ) -> None:
-        """Every train.log_every steps (and the last, and every evaluation): one line on rank 0,
-        metrics to MLflow."""
+    def read_losses(self) -> float:
+        """Bring the losses of the steps since the last read to the host (one device sync)."""
+        values = torch.stack([t for _, t in self._unread]).tolist() if self._unread else []
+        for (step, _), value in zip(self._unread, values):
+            self.result.losses.append((step, value))
+            self.result.final_loss = value
+        self._unread = []
+        return self.result.final_loss
+
+    def is_log_step(self) -> bool:
+        """Every train.log_every steps, the last step and every evaluation step."""
         step = self.step - 1  # the step just trained
-        if (
-            step % self.cfg.train.log_every
-            and self.step != self.cfg.train.steps
-            and eval_loss is None
-        ):
-            return
+        return (
+            step % self.cfg.train.log_every == 0
+            or self.step == self.cfg.train.steps
+            or self.eval_due()
+        )
+
+    def step_seconds(self) -> float:
+        """Seconds per step since the last logged one. The host waits for the device here (and
+        on logging steps only): the losses come back, so every step up to this one has finished
+        and the wall time is right on a GPU, where a step's kernels finish long after the host
+        queued them. Checkpoint snapshots taken meanwhile are part of it; evaluations are not."""
+        self.read_losses()
+        return (time.perf_counter() - self._since[0]) / max(1, self.step - self._since[1])
+
+    def log_step(self, norm: torch.Tensor, seconds: float, eval_loss: Optional[float]) -> None:
+        """One line on rank 0, metrics to MLflow."""
+        step = self.step - 1  # the step just trained
+        loss, norm = self.result.final_loss, float(norm)
         m = step_metrics(
             loss=loss,
             lr=lr_at(self.cfg.optim, self.cfg.train.steps, step),
