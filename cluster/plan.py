@@ -72,7 +72,8 @@ def main(argv: list[str]) -> int:
         own, overrides = split_args(argv)
         cfg = compose_job(overrides)
     except (ConfigError, OmegaConfBaseException, HydraException) as e:
-        print(f"error: {e}", file=sys.stderr)
+        cause = f": {str(e.__cause__).splitlines()[0]}" if e.__cause__ else ""
+        print(f"error: {e}{cause}", file=sys.stderr)
         return 2
     device = int(own["device_memory_gb"] * GiB)
     local = own["local_world_size"]

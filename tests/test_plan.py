@@ -337,9 +337,44 @@ def test_recommendations_fit_and_come_fewest_bytes_first():
     cfg = dataclasses.replace(EIGHT_B, train=TrainConfig(global_batch_size=64, micro_batches=8))
     options = recommend(cfg, 64, 80 * GiB)
     assert options and all(o.fits for o in options)
-    moved = [o.total_bytes_moved for o in options]
+    on_device = [o for o in options if not o.offload]
+    assert options[: len(on_device)] == on_device  # offloading the optimizer comes last
+    moved = [o.total_bytes_moved for o in on_device]
     assert moved == sorted(moved)
     assert options[0].strategy == "SHARD_GRAD_OP"  # ~2x params on the wire against FULL_SHARD's ~3x
+    # 8 micro-batches of unsharded fp32 gradients (30 GiB at 8B / 64) against reducing each one
+    assert any(o.sharded_grad_accumulation for o in options)
+
+
+def test_sharded_accumulation_is_chosen_when_unsharded_micro_batch_gradients_do_not_fit():
+    cfg = dataclasses.replace(
+        EIGHT_B,
+        sharding=ShardingConfig(param_dtype="bfloat16", activation_checkpointing=True),
+        train=TrainConfig(global_batch_size=512, micro_batches=8),
+        data=DataConfig(seq_len=4096),
+    )
+    kept = plan(cfg, 64, 40 * GiB)
+    assert not kept.fits  # 8 micro-batches keep ~30 GiB of unsharded fp32 gradients
+    chosen = check_fits(cfg, 64, 40 * GiB)
+    assert chosen.fits and chosen.sharded_grad_accumulation
+    assert chosen.total < kept.total - 25 * GiB
+    assert chosen.bytes_moved["reduce_scatter"] == 8 * kept.bytes_moved["reduce_scatter"]
+
+
+def test_offloading_the_optimizer_leaves_the_compute_copy_on_the_device():
+    cfg = dataclasses.replace(EIGHT_B, sharding=ShardingConfig(param_dtype="bfloat16"))
+    on = plan(cfg, 8, 80 * GiB)
+    off = plan(
+        dataclasses.replace(
+            cfg, sharding=ShardingConfig(param_dtype="bfloat16", offload="optimizer")
+        ),
+        8,
+        80 * GiB,
+    )
+    assert off.sharded_params * 2 == on.sharded_params  # bf16 copy of the fp32 shard
+    assert off.sharded_grads == off.optim_state == 0
+    assert off.host_state == on.persistent  # the 16 B / param / N moved to the host
+    assert off.total == pytest.approx(on.total - on.persistent + off.sharded_params, rel=0.01)
 
 
 def test_cli_prints_the_plan_and_exits_by_whether_it_fits(capsys):

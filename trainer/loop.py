@@ -242,7 +242,7 @@ class Trainer:
                 s, _ = loss_sum(self.model(mb.inputs), mb.targets, mb.weight)
                 self.scaler.scale_loss(s / self.global_tokens).backward()
             loss_total += s.detach()
-        found_inf = self.scaler.unscale_and_check(self.model.grad_shards(), self.world)
+        found_inf = self.scaler.unscale_and_check(self.model.grad_shards(), self.world, self.device)
         norm = self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
         if not found_inf:  # fp16 overflow on any rank: every rank skips this step
             self.optimizer.step()

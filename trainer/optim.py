@@ -20,13 +20,14 @@ from trainer.fsdp import FSDPModel
 
 def build_optimizer(model: FSDPModel, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the flat shards, weight decay on matrices only: the fused implementation on
-    CUDA (one kernel for every shard of a group), the multi-tensor (foreach) one elsewhere."""
+    CUDA (one kernel for every shard of a group), the multi-tensor (foreach) one elsewhere
+    (the host, with sharding.offload=optimizer)."""
     return torch.optim.AdamW(
         model.param_groups(cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        **implementation(model.device),
+        **implementation(model.optimizer_device),
     )
 
 

@@ -139,6 +139,7 @@ def engine_run(
                 comm=dict(fsdp.acct.comm_bytes),
                 peak=dict(fsdp.acct.peak),
                 persistent=fsdp.acct.persistent_bytes(),
+                live=dict(fsdp.acct.live),
             )
         )
     out = dict(

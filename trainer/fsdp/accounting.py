@@ -13,6 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+HOST_KINDS = ("host_params", "host_grads", "host_optim_state")
+"""sharding.offload=optimizer: state in host memory, reported apart (never in the device total)."""
 MEMORY_KINDS = (
     "sharded_params",
     "sharded_grads",
@@ -118,4 +120,7 @@ class Accounting:
             out[f"mem/{k}_bytes"] = float(self.live.get(k, 0))
             out[f"mem/peak_{k}_bytes"] = float(self.peak.get(k, 0))
         out["mem/peak_total_bytes"] = float(self.peak.get("total", 0))
+        for k in HOST_KINDS:
+            if self.live.get(k):
+                out[f"mem/{k}_bytes"] = float(self.live[k])
         return out

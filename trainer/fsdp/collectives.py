@@ -20,7 +20,7 @@ long that stream stalled for the collective (read on logging steps only: reading
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -102,11 +102,13 @@ class Collectives:
         return Handle(self.acct, op, unit, event=event, keep=(keep, after))
 
     def all_gather(
-        self, out: torch.Tensor, shard: torch.Tensor, group, size: int, unit: str
+        self, out: torch.Tensor, source: Callable[[], torch.Tensor], group, size: int, unit: str
     ) -> Handle:
-        """Gather `shard` (cast to out's dtype first, on the gather stream) into `out`."""
+        """Gather the shard `source()` returns into `out`. On the gather stream: source() (which
+        may copy an offloaded shard in from the host) and the cast to out's dtype."""
 
         def fn(a):
+            shard = source()
             inp = shard if shard.dtype == out.dtype else shard.to(out.dtype)
             return _all_gather(out, inp, group=group, async_op=a), (inp,)
 

@@ -57,6 +57,13 @@ class ShardingStrategy(NamedEnum):
         return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
+class Offload(NamedEnum):
+    """What lives in host memory instead of on the device."""
+
+    none = "none"
+    optimizer = "optimizer"  # fp32 master shard, gradient shard and AdamW state; step on the host
+
+
 class DType(NamedEnum):
     """A floating-point dtype by its torch name: the compute and reduction dtypes."""
 
@@ -102,6 +109,12 @@ class ShardingConfig:
     until the last micro-batch: 1/N of that memory for micro_batches x the reduce-scatter
     traffic. The planner (python -m cluster.plan) recommends it when the job does not fit
     otherwise."""
+    offload: Offload = Offload.none
+    """none, or optimizer: the fp32 master shard, the fp32 gradient shard and AdamW's state live
+    in pinned host memory and the optimizer steps on the host; the device keeps only a
+    compute-dtype copy of its shard (2 bytes per parameter / N in bf16 instead of 16). Each
+    reduced gradient shard is copied to the host as it is ready, overlapping the rest of
+    backward."""
     hybrid_shard_group_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
     trace: bool = False
@@ -113,6 +126,8 @@ class ShardingConfig:
             value = ShardingStrategy.parse(value, "sharding.strategy")
         elif name in ("param_dtype", "reduce_dtype"):
             value = DType.parse(value, f"sharding.{name}")
+        elif name == "offload":
+            value = Offload.parse(value, "sharding.offload")
         object.__setattr__(self, name, value)
 
     def validate(self) -> None:

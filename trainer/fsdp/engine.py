@@ -38,6 +38,7 @@ from .accounting import Accounting
 from .collectives import Collectives
 from .flat_param import FlatParameter
 from .mesh import ShardMesh
+from .offload import HostGrads
 from .reducer import Reducer
 from .scheduler import Scheduler
 from .unit import FSDPUnit
@@ -60,13 +61,16 @@ class FSDPModel(torch.nn.Module):
         max_gathers_in_flight: int = 1,
         max_reductions_in_flight: int = 2,
         sharded_grad_accumulation: bool = False,
+        offload: bool = False,
         trace: bool = False,
         init_fn: Optional[InitFn] = None,
     ):
         """`units`: the modules that become units (default: transformer_policy); the rest of
         `model` is the root unit. `reshard_after_forward`: the units (never the root) free their
         gathered parameters after forward. `sharded_grad_accumulation`: no_sync() reduces every
-        micro-batch into the gradient shards instead of keeping unsharded gradients."""
+        micro-batch into the gradient shards instead of keeping unsharded gradients.
+        `offload`: master weights, gradient shards and optimizer state in host memory (see
+        offload.py); the optimizer built over param_groups() then steps on the host."""
         super().__init__()
         self.module = model
         self.mesh, self.device = mesh, torch.device(device)
@@ -74,14 +78,25 @@ class FSDPModel(torch.nn.Module):
         self.acct = Accounting(trace_enabled=trace)
         self.comm = Collectives(self.acct, self.device)
         specs = transformer_policy(model) if units is None else units
+        self.offload = offload
         build = UnitBuilder(
-            model, mesh, self.device, self.comm, self.acct, param_dtype, reduce_dtype, init_fn
+            model,
+            mesh,
+            self.device,
+            self.comm,
+            self.acct,
+            param_dtype,
+            reduce_dtype,
+            init_fn,
+            offload,
         )
         self.units: list[FSDPUnit] = [
             build.unit(build.name(spec), spec, reshard_after_forward) for spec in specs
         ]
         self.root = build.unit(ROOT, model, reshard_after_forward=False, exclude=specs)
         self.reducer = Reducer(mesh, self.comm, self.acct, reduce_dtype, max_reductions_in_flight)
+        if offload:
+            self.reducer.host_grads = HostGrads(self.device, self.acct)
         for u in self.all_units():
             u.reducer = self.reducer
         self.scheduler = Scheduler(
@@ -91,7 +106,17 @@ class FSDPModel(torch.nn.Module):
         self._in_backward = False
         self._step_open = False  # a step's accounting runs from its first forward to zero_grad
         self._install_hooks()
-        self.acct.set("sharded_params", sum(f.shard_numel * 4 for f in self.flats()))
+        shard_numel = sum(f.shard_numel for f in self.flats())
+        if offload:  # the device keeps only the compute-dtype copy of its shard
+            self.acct.set("sharded_params", shard_numel * param_dtype.itemsize)
+            self.acct.set("host_params", shard_numel * 4)
+        else:
+            self.acct.set("sharded_params", shard_numel * 4)
+
+    @property
+    def optimizer_device(self) -> torch.device:
+        """Where the optimizer's tensors live: the host when offloading, else the device."""
+        return torch.device("cpu") if self.offload else self.device
 
     def flats(self) -> Iterator[FlatParameter]:
         for u in self.all_units():
@@ -220,15 +245,17 @@ class FSDPModel(torch.nn.Module):
         """Global L2 norm of the gradient across shards (padding excluded, replicas counted once);
         scales the gradients by min(1, max_norm / (norm + 1e-6)) when max_norm > 0. Returns the
         norm."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        home = "cpu" if self.offload else self.device  # where the gradient shards live
+        sq = torch.zeros((), dtype=torch.float32, device=home)
         for flat in self.flats():
             if flat.grad is not None and flat.valid_numel:
                 sq += flat.grad[: flat.valid_numel].pow(2).sum()
+        sq = sq.to(self.device)  # the process group's device
         if self.mesh.shard_size > 1:
             dist.all_reduce(sq, group=self.mesh.shard_group)
         norm = sq.sqrt()
         if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(home)
             for flat in self.flats():
                 if flat.grad is not None:
                     flat.grad.mul_(coef)
@@ -248,7 +275,8 @@ class FSDPModel(torch.nn.Module):
         """comm/* (bytes each collective kind moved this step) and mem/* (live and peak bytes by
         kind), with the optimizer's state counted when it is given."""
         if optimizer is not None:
-            self.acct.set("optim_state", _optimizer_state_bytes(optimizer))
+            kind = "host_optim_state" if self.offload else "optim_state"
+            self.acct.set(kind, _optimizer_state_bytes(optimizer))
         return self.acct.metrics()
 
     def num_params(self) -> int:

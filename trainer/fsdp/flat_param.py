@@ -38,6 +38,11 @@ class FlatParameter:
 
     Invariant: `shard` is this rank's fp32 master slice; it is the only persistent copy of the
     parameters on this rank (everything gathered is a temporary in the compute dtype).
+
+    With `host` set (sharding.offload=optimizer) the master slice and the gradient slice live in
+    host memory (pinned when the device is a GPU) and `compute` is the persistent copy of the
+    slice on the device in the compute dtype, the input of every gather: refreshed from the
+    master at the unit's first gather after the optimizer may have changed it (`stale`).
     """
 
     def __init__(
@@ -47,6 +52,8 @@ class FlatParameter:
         shard_rank: int,
         requires_grad: bool,
         device: torch.device,
+        host: bool = False,
+        compute_dtype: torch.dtype = torch.float32,
     ):
         self.infos = infos
         self.requires_grad = requires_grad
@@ -59,10 +66,47 @@ class FlatParameter:
         self.shard_numel = self.padded_numel // shard_size
         self.lo = shard_rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.device = torch.device(device)  # where the unit computes
+        self.host = host
+        pin = host and self.device.type == "cuda"
+        home = "cpu" if host else self.device
+        self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=home, pin_memory=pin)
+        self.compute: torch.Tensor | None = None
+        if host:
+            self.compute = torch.empty(self.shard_numel, dtype=compute_dtype, device=self.device)
+        self.stale = host  # compute must be refreshed from shard before its next use
         self.grad: torch.Tensor | None = None  # fp32 gradient shard, allocated on first reduce
         self.grad_is_zero = True  # the next reduced gradient overwrites instead of adding
         self.opt_params = self._optimizer_views() if requires_grad else []
+
+    def gather_source(self) -> torch.Tensor:
+        """The slice a gather reads: the fp32 master, or (offloaded) its device copy, refreshed
+        on the current stream if the master changed since."""
+        if not self.host:
+            return self.shard
+        if self.stale:
+            self.compute.copy_(self.shard, non_blocking=True)
+            self.stale = False
+        return self.compute
+
+    def add_grad(self, shard: torch.Tensor) -> int:
+        """Fold a reduced gradient shard into the fp32 gradient shard (overwriting it after
+        zero_grad). Returns the bytes allocated: the gradient shard is created at the first
+        reduction (pinned on the host when offloaded), then kept."""
+        allocated = 0
+        if self.grad is None:
+            pin = self.host and self.device.type == "cuda"
+            self.grad = torch.zeros(
+                self.shard_numel, dtype=torch.float32, device=self.shard.device, pin_memory=pin
+            )
+            allocated = self.shard_numel * 4
+            self.attach_grad_views()
+        if self.grad_is_zero:
+            self.grad.copy_(shard)
+        else:
+            self.grad.add_(shard)
+        self.grad_is_zero = False
+        return allocated
 
     # ---- ranges ------------------------------------------------------------------------
     def local_pieces(self):

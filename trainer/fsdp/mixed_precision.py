@@ -8,6 +8,8 @@ makes every method a no-op that still returns sensible values).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -34,17 +36,19 @@ class ShardedGradScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
-    def unscale_and_check(self, grads: list[torch.Tensor], world_size: int) -> bool:
+    def unscale_and_check(
+        self, grads: list[torch.Tensor], world_size: int, device: Optional[torch.device] = None
+    ) -> bool:
         """Divide the local gradient shards by the scale; True if any rank saw inf/nan (skip the
-        step)."""
+        step). `device`: the process group's (the shards may live on the host when offloaded).
+        One read back to the host per step: whether to step must be known there."""
         if not self.enabled:
             return False
-        device = grads[0].device if grads else torch.device("cpu")
+        device = device or (grads[0].device if grads else torch.device("cpu"))
         bad = torch.zeros(1, device=device)
         for g in grads:
             g.mul_(1.0 / self.scale)
-            if not torch.isfinite(g).all():
-                bad.fill_(1.0)
+            bad = torch.maximum(bad, (~torch.isfinite(g).all()).float().to(device))
         if world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad.item())

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .config import ShardingConfig
+from .config import Offload, ShardingConfig
 from .engine import FSDPModel
 from .mesh import ShardMesh
 from .wrap import InitFn, UnitSpec, block_policy, transformer_policy
@@ -59,6 +59,7 @@ def parallelize(
         max_gathers_in_flight=cfg.max_gathers_in_flight,
         max_reductions_in_flight=cfg.max_reductions_in_flight,
         sharded_grad_accumulation=cfg.sharded_grad_accumulation,
+        offload=cfg.offload is Offload.optimizer,
         trace=cfg.trace,
         init_fn=init_fn,
     )

@@ -24,6 +24,7 @@ from .accounting import Accounting
 from .collectives import Collectives, Handle
 from .flat_param import FlatParameter
 from .mesh import ShardMesh
+from .offload import HostGrads
 
 if TYPE_CHECKING:
     from .unit import FSDPUnit
@@ -51,6 +52,7 @@ class Reducer:
         self.mesh, self.comm, self.acct = mesh, comm, acct
         self.reduce_dtype, self.max_in_flight = reduce_dtype, max_in_flight
         self.hybrid = mesh.shard_size > 1 and mesh.replicate_size > 1
+        self.host_grads: Optional[HostGrads] = None  # set by the engine when offloading
         # Issued and not yet retired (their unsharded gradients alive), oldest first.
         self._pending: collections.deque[_Reduction] = collections.deque()
         # HYBRID_SHARD: retired reduce-scatters whose all-reduce across replicas is in flight.
@@ -91,6 +93,8 @@ class Reducer:
         for r in across:
             r.across.wait()
             self._accumulate(r.flat, r.out)
+        if self.host_grads is not None:
+            self.host_grads.finish()
 
     def _retire(self, r: _Reduction) -> None:
         """The reduce-scatter is done: its unsharded gradient goes. Fold the shard in now, or, for
@@ -111,13 +115,8 @@ class Reducer:
         return self.comm.all_reduce(out, m.replicate_group, m.replicate_size, unit, after=after)
 
     def _accumulate(self, flat: FlatParameter, out: torch.Tensor) -> None:
-        """Into the flat's fp32 gradient shard (allocated at the first reduction, then kept)."""
-        if flat.grad is None:
-            flat.grad = torch.zeros(flat.shard_numel, dtype=torch.float32, device=out.device)
-            self.acct.alloc("sharded_grads", flat.shard_numel * 4)
-            flat.attach_grad_views()
-        if flat.grad_is_zero:
-            flat.grad.copy_(out)
+        """Into the flat's fp32 gradient shard: here, or (offloaded) on the host."""
+        if flat.host:
+            self.host_grads.add(flat, out)
         else:
-            flat.grad.add_(out)
-        flat.grad_is_zero = False
+            self.acct.alloc("sharded_grads", flat.add_grad(out))

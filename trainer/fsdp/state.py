@@ -90,7 +90,7 @@ def iter_full_state(
             lo, hi = info.offset, info.offset + info.numel
             owners = range(lo // n, (hi - 1) // n + 1)
             if me == 0:
-                out = torch.empty(info.numel, dtype=torch.float32, device=flat.shard.device)
+                out = torch.empty(info.numel, dtype=torch.float32, device=flat.device)
                 for r in owners:
                     a, b = max(lo, r * n), min(hi, (r + 1) * n)
                     if r == 0:
@@ -100,7 +100,8 @@ def iter_full_state(
                 yield info.fqn, out.view(info.shape).to(dtype or torch.float32)
             elif me in owners:
                 a, b = max(lo, me * n), min(hi, (me + 1) * n)
-                dist.send(flat.shard[a - flat.lo : b - flat.lo].contiguous(), dst=0, group=group)
+                piece = flat.shard[a - flat.lo : b - flat.lo]
+                dist.send(piece.to(flat.device).contiguous(), dst=0, group=group)
 
 
 def full_state_dict(fsdp: FSDPModel, dtype: Optional[torch.dtype] = None) -> dict:
@@ -167,7 +168,7 @@ def _gather_full(
     for flat in fsdp.flats():
         if trainable_only and not flat.requires_grad:
             continue
-        mine = local(flat)
+        mine = local(flat).to(fsdp.device)  # offloaded shards live on the host
         full = torch.empty(flat.padded_numel, dtype=torch.float32, device=mine.device)
         if mesh.shard_size > 1:
             _all_gather(full, mine, group=mesh.shard_group)

@@ -69,8 +69,10 @@ class FSDPUnit:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.state = TrainingState.IDLE
-        # No communication and no copy when the shard IS the full parameter in the compute dtype.
-        self.alias = mesh.shard_size == 1 and param_dtype == torch.float32
+        # No communication and no copy when the shard IS the full parameter in the compute dtype
+        # (and lives where the unit computes).
+        offloaded = any(f.host for f in flats)
+        self.alias = mesh.shard_size == 1 and param_dtype == torch.float32 and not offloaded
         self.gathered = False
         self._gather: list[Handle] = []
         self._buf: list[torch.Tensor] = []
@@ -79,7 +81,7 @@ class FSDPUnit:
             if self.alias:
                 buf = flat.shard
             else:
-                buf = torch.empty(flat.padded_numel, dtype=param_dtype, device=flat.shard.device)
+                buf = torch.empty(flat.padded_numel, dtype=param_dtype, device=flat.device)
                 _free_storage(buf)
             full = torch.empty(0, dtype=buf.dtype, device=buf.device)
             full.data = buf  # shares storage, own version counter (see module docstring)
@@ -99,7 +101,10 @@ class FSDPUnit:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
-        """A forward of the whole model starts (each micro-batch is one iteration)."""
+        """A forward of the whole model starts (each micro-batch is one iteration). An offloaded
+        master shard may have been stepped by the optimizer since the last: refresh before use."""
+        for flat in self.flats:
+            flat.stale = flat.host
         self._grads_seen.clear()
         self.pre_backward_done = False
         self.state = TrainingState.FORWARD
@@ -166,14 +171,18 @@ class FSDPUnit:
         for flat, buf in zip(self.flats, self._buf):
             _alloc_storage(buf)
             if self.mesh.shard_size == 1:
-                buf.copy_(flat.shard)  # the compute-dtype copy is a local cast
+                buf.copy_(flat.gather_source())  # the compute-dtype copy is a local cast
                 self.gathered = True
             else:
                 # The shard is cast to the compute dtype before the gather (a bf16 gather moves
                 # half the bytes of an fp32 one), on the gather's stream.
                 self._gather.append(
                     self.comm.all_gather(
-                        buf, flat.shard, self.mesh.shard_group, self.mesh.shard_size, self.name
+                        buf,
+                        flat.gather_source,
+                        self.mesh.shard_group,
+                        self.mesh.shard_size,
+                        self.name,
                     )
                 )
 

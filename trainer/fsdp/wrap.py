@@ -77,8 +77,10 @@ class UnitBuilder:
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         init_fn: Optional[InitFn],
+        offload: bool = False,
     ):
         self.mesh, self.device, self.comm, self.acct = mesh, device, comm, acct
+        self.offload = offload
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.init_fn = init_fn
         self.names = {id(m): n for n, m in model.named_modules()}
@@ -134,7 +136,13 @@ class UnitBuilder:
             infos.append(ParamInfo(fqn, mod_name, attr, p.shape, offset, p.ndim >= 2))
             offset += p.numel()
         flat = FlatParameter(
-            infos, self.mesh.shard_size, self.mesh.shard_rank, requires_grad, self.device
+            infos,
+            self.mesh.shard_size,
+            self.mesh.shard_rank,
+            requires_grad,
+            self.device,
+            host=self.offload,
+            compute_dtype=self.param_dtype,
         )
         # One parameter at a time: materialise it, copy the slice this rank owns, drop it. Peak
         # memory is the shard plus the largest single parameter, never the unit or the model.

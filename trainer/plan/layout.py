@@ -22,6 +22,7 @@ import torch
 
 from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
 from trainer.fsdp import FSDPModel, ShardMesh, parallelize, virtual_mesh
+from trainer.fsdp.config import Offload
 from trainer.fsdp.wrap import ROOT
 from trainer.model import build_model
 
@@ -60,6 +61,9 @@ class Layout:
     sharded_params: int  # bytes, as the engine accounts them at construction
     sharded_grads: int  # bytes of the fp32 gradient shards (allocated at the first reduction)
     optim_state: int  # bytes of AdamW state on this rank
+    host_state: int = 0
+    """sharding.offload=optimizer: the fp32 master, gradient shard and AdamW state, in host
+    memory (the device terms above then hold only the compute-dtype copy of the shard)."""
 
     @property
     def blocks(self) -> tuple[UnitLayout, ...]:
@@ -100,13 +104,14 @@ def layout(
         sharding.strategy,
         sharding.param_dtype,
         sharding.hybrid_shard_group_size,
+        sharding.offload,
     )
     return _layout(key, world_size, local_world_size, rank)
 
 
 @lru_cache(maxsize=64)
 def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
-    model_fields, strategy, param_dtype, hybrid = key
+    model_fields, strategy, param_dtype, hybrid, offload = key
     model = ModelConfig(**dict(model_fields))
     sharding = ShardingConfig(
         strategy=strategy, param_dtype=param_dtype, hybrid_shard_group_size=hybrid
@@ -114,6 +119,17 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
     mesh = virtual_mesh(sharding, rank, world_size, local_world_size)
     fsdp = meta_engine(model, sharding, mesh)
     flats = list(fsdp.flats())
+    sharded_params = fsdp.acct.live["sharded_params"]
+    # the fp32 gradient shard is allocated like the parameter shard, at the first reduction
+    sharded_grads = sum(f.shard.numel() * f.shard.element_size() for f in flats if f.requires_grad)
+    optim_state = sum(
+        ADAM_STATES * p.numel() * p.element_size() for f in flats for p, _, _ in f.opt_params
+    )
+    host = 0
+    if offload is Offload.optimizer:  # built without (its shards would be real host memory)
+        host = sharded_params + sharded_grads + optim_state
+        sharded_params = sharded_params // 4 * sharding.param_dtype.itemsize  # the compute copy
+        sharded_grads = optim_state = 0
     return Layout(
         strategy=sharding.strategy,
         world_size=world_size,
@@ -123,14 +139,10 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
         num_params=fsdp.num_params(),
         root=_unit(fsdp.root),
         units=tuple(_unit(u) for u in fsdp.units),
-        sharded_params=fsdp.acct.live["sharded_params"],
-        # the fp32 gradient shard is allocated like the parameter shard, at the first reduction
-        sharded_grads=sum(
-            f.shard.numel() * f.shard.element_size() for f in flats if f.requires_grad
-        ),
-        optim_state=sum(
-            ADAM_STATES * p.numel() * p.element_size() for f in flats for p, _, _ in f.opt_params
-        ),
+        sharded_params=sharded_params,
+        sharded_grads=sharded_grads,
+        optim_state=optim_state,
+        host_state=host,
     )
 
 

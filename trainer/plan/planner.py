@@ -14,6 +14,7 @@ the wire replay its accounting (traffic.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from .timeline import Phase, StepTimeline, step_timeline
 from .traffic import bytes_per_step
 
 GiB = 2**30
+OFFLOADS = ("none", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class MemoryPlan:
     reduce_dtype: str
     activation_checkpointing: bool
     sharded_grad_accumulation: bool
+    offload: bool
+    """sharding.offload=optimizer: master weights, gradient shards and AdamW state on the host."""
     rows: int
     """Sequences in this worker's largest micro-batch."""
     seq_len: int
@@ -54,6 +58,8 @@ class MemoryPlan:
     sharded_params: int
     sharded_grads: int
     optim_state: int
+    host_state: int
+    """Host bytes of the offloaded optimizer (0 without offload)."""
     timeline: StepTimeline
     activations_without_checkpointing: int
     """Peak of activation memory alone (blocks + root) over the step, without checkpointing."""
@@ -86,7 +92,8 @@ class MemoryPlan:
     def label(self) -> str:
         ckpt = "with" if self.activation_checkpointing else "without"
         accumulation = ", sharded gradient accumulation" if self.sharded_grad_accumulation else ""
-        return f"{self.strategy} {ckpt} activation checkpointing{accumulation}"
+        offload = ", optimizer offloaded to the host" if self.offload else ""
+        return f"{self.strategy} {ckpt} activation checkpointing{accumulation}{offload}"
 
     def table(self) -> str:
         return format_plan(self)
@@ -134,12 +141,14 @@ def plan(
         reduce_dtype=sh.reduce_dtype,
         activation_checkpointing=bool(sh.activation_checkpointing),
         sharded_grad_accumulation=bool(sh.sharded_grad_accumulation and micro > 1),
+        offload=lay.host_state > 0,
         rows=rows,
         seq_len=cfg.data.seq_len,
         micro_batches=micro,
         sharded_params=lay.sharded_params,
         sharded_grads=lay.sharded_grads,
         optim_state=lay.optim_state,
+        host_state=lay.host_state,
         timeline=timeline,
         activations_without_checkpointing=_activation_peak(timelines[False]),
         activations_with_checkpointing=_activation_peak(timelines[True]),
@@ -156,26 +165,21 @@ def candidates(
     cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
 ) -> list[MemoryPlan]:
     """Every strategy x activation checkpointing (x, with micro-batches, sharded gradient
-    accumulation) at this world size, dtypes as configured."""
+    accumulation) x optimizer offload at this world size, dtypes as configured."""
     out = []
     accumulations = (False, True) if cfg.train.micro_batches > 1 else (False,)
-    for strategy in _strategies(cfg, world_size, local_world_size):
-        for ac in (False, True):
-            for sharded in accumulations:
-                sharding = dataclasses.replace(
-                    cfg.sharding,
-                    strategy=strategy.value,
-                    activation_checkpointing=ac,
-                    sharded_grad_accumulation=sharded,
-                )
-                out.append(
-                    plan(
-                        dataclasses.replace(cfg, sharding=sharding),
-                        world_size,
-                        device_memory_bytes,
-                        local_world_size,
-                    )
-                )
+    for strategy, ac, sharded, offload in itertools.product(
+        _strategies(cfg, world_size, local_world_size), (False, True), accumulations, OFFLOADS
+    ):
+        sharding = dataclasses.replace(
+            cfg.sharding,
+            strategy=strategy.value,
+            activation_checkpointing=ac,
+            sharded_grad_accumulation=sharded,
+            offload=offload,
+        )
+        cand = dataclasses.replace(cfg, sharding=sharding)
+        out.append(plan(cand, world_size, device_memory_bytes, local_world_size))
     return out
 
 
@@ -202,11 +206,15 @@ def recommend(
     """The options that fit, fewest bytes moved per step first; among equals, no recomputation
     (checkpointing off) first, then the least memory. Empty when nothing fits. Sharded gradient
     accumulation moves micro_batches x the reduce-scatter bytes, so it comes first only where
-    keeping the unsharded gradients does not fit."""
+    keeping the unsharded gradients does not fit; offloading the optimizer (host memory, PCIe
+    copies and a host optimizer step) comes after everything that fits on the device."""
     fitting = [
         p for p in candidates(cfg, world_size, device_memory_bytes, local_world_size) if p.fits
     ]
-    return sorted(fitting, key=lambda p: (p.total_bytes_moved, p.activation_checkpointing, p.total))
+    return sorted(
+        fitting,
+        key=lambda p: (p.offload, p.total_bytes_moved, p.activation_checkpointing, p.total),
+    )
 
 
 def check_fits(

@@ -57,6 +57,11 @@ def format_plan(p: "MemoryPlan") -> str:
     lines.append("  " + "-" * (WIDTH + 22))
     lines.append(f"  {'peak, during ' + peak.name:{WIDTH}} {size(p.total):>10}   {_verdict(p)}")
     lines.append("")
+    if p.host_state:
+        lines.append(
+            f"  host memory (optimizer offloaded: fp32 master, gradients, AdamW state): "
+            f"{_mem(p.host_state)}"
+        )
     lines.append(
         f"  activations alone at their peak: {_mem(p.activations_without_checkpointing)} without "
         f"checkpointing, {_mem(p.activations_with_checkpointing)} with"
