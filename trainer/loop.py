@@ -188,16 +188,7 @@ class Trainer:
         r.start_step = self.step = self.checkpointer.resume()
         if self.checkpointer.resumed_from is None and self.cfg.model.hf_path:
             self.load_hf_weights()
-        self.loader = Loader(
-            self.batches,
-            self.rank,
-            self.world,
-            self.cfg.train.micro_batches,
-            self.step,
-            self.cfg.train.steps,
-            self.cfg.data.prefetch_steps,
-            pin=self.device.type == "cuda",
-        )
+        self.loader = self.make_loader()
         self._since = (time.perf_counter(), self.step)  # the clock of the next logged step
         try:
             while self.step < self.cfg.train.steps:
@@ -221,6 +212,20 @@ class Trainer:
         r.last_checkpoint = self.checkpointer.close(self.step)
         r.steps_done, r.resumed_from = self.step, self.checkpointer.resumed_from
         return r
+
+    def make_loader(self) -> Loader:
+        """This rank's micro-batches from the current step on, prepared ahead in a background
+        thread (in pinned memory on a GPU)."""
+        return Loader(
+            self.batches,
+            self.rank,
+            self.world,
+            self.cfg.train.micro_batches,
+            self.step,
+            self.cfg.train.steps,
+            self.cfg.data.prefetch_steps,
+            pin=self.device.type == "cuda",
+        )
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
