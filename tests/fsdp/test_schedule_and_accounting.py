@@ -258,3 +258,37 @@ def test_sharded_grad_accumulation_keeps_no_whole_model_gradient_and_reduces_eve
     assert sharded["peak"] <= 3 * sharded["largest"] < 4 * sharded["padded"]  # the bound only
     assert sharded["comm"]["reduce_scatter"] == 3 * kept["comm"]["reduce_scatter"]
     assert sharded["comm"]["all_gather"] == kept["comm"]["all_gather"]
+
+
+def _hybrid_traced(rank, world):
+    sharding = dict(strategy="HYBRID_SHARD", hybrid_shard_group_size=2, trace=True)
+    return engine_run(rank, world, 2, 8, sharding, keep_trace=True)
+
+
+def test_hybrid_all_reduce_across_replicas_is_waited_for_only_when_backward_ends():
+    r = run_distributed(_hybrid_traced, 4)[0]
+    ev = step_events(r["events"], 1)
+    last_backward = max(i for i, e in enumerate(ev) if e[:2] == ("compute_end", "backward"))
+    issued = [i for i, e in enumerate(ev) if e[:2] == ("issue", "all_reduce")]
+    waited = [i for i, e in enumerate(ev) if e[:2] == ("wait", "all_reduce")]
+    assert len(issued) == len(waited) == len(UNITS)
+    assert min(issued) < last_backward  # the head's goes out while blocks still compute
+    assert min(waited) > last_backward  # and nothing waits for it before backward ends
+
+
+def _reduce_dtypes(rank, world):
+    out = {}
+    for reduce_dtype in ("float32", "bfloat16"):
+        sharding = dict(strategy="FULL_SHARD", param_dtype="bfloat16", reduce_dtype=reduce_dtype)
+        r = engine_run(rank, world, 2, BATCH, sharding)
+        out[reduce_dtype] = dict(
+            peak=r["acct"][-1]["peak"]["unsharded_grads"], comm=r["acct"][-1]["comm"]
+        )
+    return out
+
+
+def test_bf16_reduction_keeps_the_unsharded_gradient_in_bf16_and_halves_the_bytes():
+    r = run_distributed(_reduce_dtypes, 2)[0]
+    fp32, bf16 = r["float32"], r["bfloat16"]
+    assert bf16["peak"] * 2 == fp32["peak"]  # never upcast before the reduce-scatter
+    assert bf16["comm"]["reduce_scatter"] * 2 == fp32["comm"]["reduce_scatter"]
