@@ -292,3 +292,30 @@ def test_bf16_reduction_keeps_the_unsharded_gradient_in_bf16_and_halves_the_byte
     fp32, bf16 = r["float32"], r["bfloat16"]
     assert bf16["peak"] * 2 == fp32["peak"]  # never upcast before the reduce-scatter
     assert bf16["comm"]["reduce_scatter"] * 2 == fp32["comm"]["reduce_scatter"]
+
+
+def test_exposed_communication_is_the_time_the_compute_path_blocks_in_waits(monkeypatch):
+    from trainer.fsdp import accounting, collectives
+
+    clock = [0.0]
+    monkeypatch.setattr(collectives.time, "perf_counter", lambda: clock[0])
+
+    class Work:  # a collective that finishes `cost` seconds after its wait starts
+        def __init__(self, cost):
+            self.cost = cost
+
+        def wait(self):
+            clock[0] += self.cost
+
+    acct = accounting.Accounting()
+    collectives.Handle(acct, "all_gather", "layers.0", work=Work(0.004)).wait()
+    collectives.Handle(acct, "reduce_scatter", "layers.0", work=Work(0.002)).wait()
+    done = collectives.Handle(acct, "all_gather", "layers.1", work=Work(0.5))
+    done.wait()
+    done.wait()  # a second wait costs nothing and counts nothing
+    m = acct.metrics()
+    assert m["comm/exposed_all_gather_ms"] == pytest.approx(504.0)
+    assert m["comm/exposed_reduce_scatter_ms"] == pytest.approx(2.0)
+    assert m["comm/exposed_ms"] == pytest.approx(506.0)
+    acct.reset_step()
+    assert acct.metrics()["comm/exposed_ms"] == 0.0
