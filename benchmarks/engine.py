@@ -1,25 +1,66 @@
 """Our engine against torch FSDP2 and DDP: same model, batch, optimizer and ranks, in one run.
 
-    python -m benchmarks.engine                          # tiny model, 2 gloo ranks, fp32
+    python -m benchmarks.engine                          # tiny and mid models, 2 gloo ranks, fp32
+    python -m benchmarks.engine --models tiny            # one model
     python -m benchmarks.engine --param-dtype bfloat16   # bf16 compute (DDP stays fp32, labelled)
-    python -m benchmarks.engine --steps 2 --reps 1 --warmup 1   # smoke run
+    python -m benchmarks.engine --models tiny --steps 1 --reps 1 --warmup 0 --profile-steps 1
+
+Models (`--models`, default both; a preset of trainer/config.py also works, with tiny's run):
+- tiny: `model_config("tiny")`, 3,541,248 parameters (dim 256, 4 layers, vocab 256); per rank
+  4 x 128 tokens a step; 10 repetitions x 5 timed steps, 3 warmup steps, 3 profiled steps; all
+  five contestants.
+- mid: `model_config("tiny", dim=512, n_layers=8, n_heads=8, ffn_dim=1536, vocab_size=8192)`,
+  35,660,288 parameters; per rank 2 x 128 tokens a step; 6 repetitions x 3 timed steps, 1 warmup
+  step, 2 profiled steps; ours FULL_SHARD, FSDP2 and DDP only (the other two would add two
+  thirds to the mid model's time; --contestants brings them back).
+On 2 cores (2 ranks, 1 torch thread each) the default run of both took about 4 minutes while
+other jobs kept the load average near 4; step times are ~0.2-0.4 s (tiny) and ~1 s (mid).
+--batch, --seq, --steps, --reps, --warmup, --profile-steps and --contestants override every
+model's own value.
 
 Contestants, all built in the same process group and trained on the same batches:
-- ours FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (trainer/fsdp, one unit per block + root);
-- torch FSDP2: fully_shard per block, then the root (MixedPrecisionPolicy when --param-dtype is
-  not float32, gradients reduced in fp32 like ours);
+- ours FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, built by trainer.fsdp.parallelize with its default
+  wrap policy: the embedding, each block and (norm, output) are units, the root owns nothing, the
+  last unit keeps its parameters after forward; prefetch depth sharding.max_gathers_in_flight=1;
+- torch FSDP2 wrapped torchtitan-style into the same units: fully_shard(tok_embeddings), each
+  block, fully_shard([norm, output], reshard_after_forward=False), then the root (which is left
+  with no parameters); MixedPrecisionPolicy(param_dtype, reduce_dtype=float32), like ours;
 - torch DDP (gradient_as_bucket_view=True, always fp32).
 
-A step is what trainer/loop.py does: forward, loss, backward, global-norm clip, AdamW step
-(foreach=False, weight decay on matrices only), zero_grad. Our loss is divided by the global token
-count (the engine sums gradients); FSDP2 and DDP average over ranks, so theirs is multiplied by
-the world size: every contestant computes the same gradient and the losses must agree (checked).
+A step is what trainer/loop.py does: forward, loss, backward, global-norm clip, AdamW step, zero
+the gradients. Every contestant gets the same AdamW: trainer.optim.implementation("cpu")
+(foreach=True), weight decay on matrices only; FSDP2 zeroes with set_to_none=True (it frees its
+gradient shards between steps), DDP keeps its bucket views, ours zeroes its persistent shards.
+Our loss is divided by the global token count (the engine sums gradients); FSDP2 and DDP average
+over ranks, so theirs is multiplied by the world size: every contestant computes the same
+gradient and the losses must agree (checked).
 
 Timing: contestants alternate inside every repetition (the starting contestant rotates), so drift
 of a shared, noisy machine hits all of them alike. Every step is bracketed by barriers on all
-ranks, so a step's time is the slowest rank's. The first repetition runs --warmup untimed steps
-per contestant, later ones one untimed step (caches went cold while the others ran). Reported:
-the median over all timed steps, and the forward / backward / optimizer split (rank 0, medians).
+ranks, so a step's time is the slowest rank's. The first repetition runs the warmup steps per
+contestant, later ones one untimed step (caches went cold while the others ran). Reported: the
+median over all timed steps, the forward / backward / optimizer split (rank 0, medians) and the
+ratios to FSDP2 and DDP; the headline is the paired ratio (median over repetitions of the ratio of
+same-repetition medians).
+
+Exposed communication, rank 0, per step (median), measured and never inferred from issue order.
+It is the main thread's time in the collectives of forward and backward (the grad-norm
+all-reduce of the clip is left out for everyone), in two parts:
+- wait: ours, the engine's own comm/exposed_ms (seconds blocked in Work.wait(), read from
+  fsdp.metrics() after each timed step). FSDP2 on gloo runs its collectives synchronously
+  (async_op=False: implicit prefetch, and reduce-scatter on the CPU), and the blocking wait()
+  inside dist.all_gather_single / reduce_scatter_single records no profiler event: it is the
+  un-instrumented time from the end of each collective op (c10d::_allgather_base_ inside
+  "FSDP::all_gather (<unit>)", c10d::_reduce_scatter_base_ inside "FSDP::post_backward_reduce
+  (<unit>)") to the next event of the same parent range. DDP launches its bucket all-reduces
+  (c10d::allreduce_) asynchronously from autograd hooks and waits for them all in its reducer's
+  finalize at the end of backward: the un-instrumented time in backward after its last autograd
+  function.
+- launch: for everyone, the main-thread duration of the top-level c10d::* ops issued inside
+  forward and backward, including any copy of the input they make (gloo records no
+  record_param_comms and no wait op on the CPU).
+FSDP2's and DDP's figures, and everyone's launch, come from --profile-steps extra untimed steps
+per contestant under torch.profiler (CPU activity), so the profiler never touches a timed step.
 
 Memory is measured in two ways, both per rank (rank 0 shown):
 - ours, accounting: the engine's own peak total bytes in a step and its persistent bytes
@@ -27,16 +68,19 @@ Memory is measured in two ways, both per rank (rank 0 shown):
 - all contestants, torch CPU allocator: bytes of the tensors held between steps (parameters or
   shards, gradients, optimizer state; storages counted once) plus the peak of extra bytes the
   torch allocator handed out during one step, recorded by torch.profiler(profile_memory=True) on
-  the main thread (autograd runs there on CPU). Gloo's own buffers are not torch allocations and
-  are not seen. Process RSS is not used: all contestants share one process, so its peak is
-  monotonic and the allocator's reuse blurs deltas.
+  the main thread (autograd runs there on CPU). Gloo's internal buffers are not torch
+  allocations and are not seen; the copy c10d makes of an async gloo collective's input is, and
+  lives until the collective is waited for. Process RSS is not used: all contestants share one
+  process, so its peak is monotonic and the allocator's reuse blurs deltas.
 Bytes moved per step per rank (ring convention, see trainer/fsdp/accounting.py): ours are the
 engine's accounting; FSDP2's and DDP's are computed from their parameter sizes by the same
-formulas (FSDP2 pads each parameter's dim 0 to the world size; its root is not resharded after
-forward, like ours) and are labelled "computed". The gradient-norm all-reduce (4 bytes) is not
-counted for anyone.
+formulas (FSDP2 pads each parameter's dim 0 to the world size; the embedding and the blocks are
+gathered in forward and again in backward, (norm, output) once) and are labelled "computed". The
+gradient-norm all-reduce (4 bytes) is not counted for anyone.
 
-The last line of output is one JSON object with the headline figures.
+Goals, per model, ours FULL_SHARD against FSDP2: paired step-time ratio <= 0.9, exposed
+communication (wait + launch) no larger, torch-allocator peak memory no larger. The last line of
+output is one JSON object with the headline figures of every model.
 """
 
 from __future__ import annotations
@@ -49,8 +93,8 @@ import socket
 import statistics
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,19 +102,100 @@ import torch.multiprocessing as mp
 from torch._C._profiler import _EventType
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # the reference, here only
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from trainer.config import DType, ShardingConfig, model_config
+from trainer.config import DType, ModelConfig, ShardingConfig, model_config
 from trainer.fsdp import FSDPModel, build_mesh, parallelize
 from trainer.model import build_model, count_params, initializer, loss_sum
+from trainer.optim import implementation
 
 SEED = 1234
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+DEVICE = torch.device("cpu")
 OURS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD"}
 ORDER = ("full_shard", "fsdp2", "ddp", "shard_grad_op", "no_shard")
+REFS = ("fsdp2", "ddp")
+GOAL_STEP_RATIO = 0.9  # ours FULL_SHARD / FSDP2 paired step time must not exceed this
+FORWARD, BACKWARD = "bench::forward", "bench::backward"  # profiler ranges of train_step
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass
+class BenchModel:
+    """A model of the benchmark and the run that keeps both defaults within ~10 minutes on 2
+    CPU cores (the mid model's step is ~10x the tiny one's, so it gets fewer, shorter steps)."""
+
+    preset: str
+    overrides: dict
+    batch: int  # sequences per rank
+    seq: int  # tokens per sequence
+    steps: int  # timed steps per contestant per repetition
+    reps: int  # repetitions (contestants alternate inside each)
+    warmup: int  # untimed steps per contestant in the first repetition
+    profile_steps: int  # untimed profiled steps per contestant (exposed communication)
+    contestants: tuple = ORDER
+
+    def config(self) -> ModelConfig:
+        return model_config(self.preset, **self.overrides)
+
+
+MODELS = {
+    "tiny": BenchModel("tiny", {}, batch=4, seq=128, steps=5, reps=10, warmup=3, profile_steps=3),
+    "mid": BenchModel(
+        "tiny",
+        dict(dim=512, n_layers=8, n_heads=8, ffn_dim=1536, vocab_size=8192),
+        batch=2,
+        seq=128,
+        steps=3,
+        reps=6,
+        warmup=1,
+        profile_steps=2,
+        contestants=("full_shard", "fsdp2", "ddp"),  # the goals' pair and the baseline
+    ),
+}
+
+
+@dataclass
+class Run:
+    """Everything one spawned run (one model) needs; plain values, so it pickles to the ranks."""
+
+    name: str
+    model: BenchModel
+    world: int
+    param_dtype: str
+    clip: float
+    threads: int
+    timeout: float
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.config()
+
+    @property
+    def global_tokens(self) -> int:
+        return self.world * self.model.batch * self.model.seq
+
+    def n_steps(self) -> int:
+        """Steps each contestant runs: warmups, timed, profiled, and the memory step."""
+        m = self.model
+        warm = m.warmup + (m.reps - 1) * min(1, m.warmup)
+        return warm + m.reps * m.steps + m.profile_steps + 1
 
 
 # ----------------------------------------------------------------------------- contestants
+
+
+class StepTime(NamedTuple):
+    """One timed step, seconds: barrier to barrier, its rank-0 parts and our engine's wait."""
+
+    total: float
+    fwd: float
+    bwd: float
+    opt: float
+    rep: int
+    wait: Optional[float]  # ours: comm/exposed_ms of the step (seconds); None for torch's
 
 
 @dataclass
@@ -80,119 +205,116 @@ class Contestant:
     name: str
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    loss_scale: (
-        float  # multiplies the global-token-normalised loss (world size for averaging wrappers)
-    )
+    loss_scale: float  # multiplies the global-token-normalised loss (world size when averaging)
     clip: Callable[[float], object]
     zero_grad: Callable[[], None]
     held: Callable[[], list]  # tensors this contestant keeps between steps
+    wait_from_trace: Optional[Callable] = None  # (forward, backward nodes) -> seconds waited
     fsdp: Optional[FSDPModel] = None
     comm_bytes_computed: Optional[int] = None
     dtype_note: str = ""
-    times: list = field(default_factory=list)  # (total, fwd, bwd, opt, rep) per timed step; seconds
+    times: list = field(default_factory=list)  # StepTime of every timed step
+    profiled: list = field(default_factory=list)  # comm_in_trace() of every profiled step
     losses: list = field(default_factory=list)  # rank-local loss of every step, in order
     steps_done: int = 0
 
 
 def adamw(decay: list, rest: list) -> torch.optim.Optimizer:
+    """AdamW as trainer/optim.py builds it on this device (foreach on the CPU), weight decay on
+    matrices only: the same for every contestant, so the optimizer is not what differs."""
     groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        groups, lr=LR, betas=BETAS, eps=EPS, foreach=False
-    )  # as trainer/loop.py
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **implementation(DEVICE))
+
+
+def matrices_first(model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    return adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2])
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
     return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
 
 
-def build_ours(name: str, args, rank: int, world: int) -> Contestant:
-    cfg = ShardingConfig(strategy=OURS[name], param_dtype=args.param_dtype, reduce_dtype="float32")
+def build_ours(name: str, run: Run, rank: int) -> Contestant:
+    cfg = ShardingConfig(strategy=OURS[name], param_dtype=run.param_dtype, reduce_dtype="float32")
     cfg.validate()
-    mesh = build_mesh(cfg, rank, world, local_world_size=world)
-    fsdp = parallelize(
-        build_model(model_config(args.model), device="meta"),
-        cfg,
-        mesh,
-        "cpu",
-        init_fn=initializer(SEED),
-    )
+    mesh = build_mesh(cfg, rank, run.world, local_world_size=run.world)
+    model = build_model(run.cfg, device="meta")
+    fsdp = parallelize(model, cfg, mesh, DEVICE, init_fn=initializer(SEED))
     groups = fsdp.param_groups(WD)
     opt = adamw(groups[0]["params"], groups[1]["params"])
 
     def held():
-        return [
-            t for f in fsdp.flats() for t in (f.shard, f.grad) if t is not None
-        ] + optimizer_tensors(opt)
+        shards = [t for f in fsdp.flats() for t in (f.shard, f.grad) if t is not None]
+        return shards + optimizer_tensors(opt)
 
     return Contestant(name, fsdp, opt, 1.0, fsdp.clip_grad_norm_, fsdp.zero_grad, held, fsdp=fsdp)
 
 
-def build_fsdp2(args, rank: int, world: int) -> Contestant:
-    model = build_model(model_config(args.model), device="cpu", seed=SEED)
+def fsdp2_units(model: torch.nn.Module) -> list[tuple[object, bool]]:
+    """(module or modules, reshard_after_forward) of each FSDP2 group, torchtitan-style and the
+    same units as our transformer_policy; the head is not resharded: backward starts with it."""
+    blocks = [(block, True) for block in model.layers]
+    return [(model.tok_embeddings, True), *blocks, ([model.norm, model.output], False)]
+
+
+def build_fsdp2(run: Run, rank: int) -> Contestant:
+    model = build_model(run.cfg, device="cpu", seed=SEED)
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32
+        param_dtype=getattr(torch, run.param_dtype), reduce_dtype=torch.float32
     )
-    for block in model.layers:
-        fully_shard(block, mp_policy=mp_policy)
+    units = fsdp2_units(model)
+    for modules, reshard in units:  # torch 2.13's fully_shard takes a list as one group
+        fully_shard(modules, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp_policy)
-    opt = adamw(
-        [p for p in model.parameters() if p.ndim >= 2],
-        [p for p in model.parameters() if p.ndim < 2],
-    )
+    opt = matrices_first(model)
 
     def held():
         out = [p.to_local() for p in model.parameters()]
         out += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
         return out + [t.to_local() if hasattr(t, "to_local") else t for t in optimizer_tensors(opt)]
 
-    clip = lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m)
     return Contestant(
         "fsdp2",
         model,
         opt,
-        float(world),
-        clip,
-        lambda: opt.zero_grad(set_to_none=False),
+        float(run.world),
+        lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m),
+        lambda: opt.zero_grad(set_to_none=True),
         held,
-        comm_bytes_computed=fsdp2_comm_bytes(model, world, args.param_dtype),
+        wait_from_trace=synchronous_wait_s,
+        comm_bytes_computed=fsdp2_comm_bytes(units, run.world, run.param_dtype),
     )
 
 
-def build_ddp(args, rank: int, world: int) -> Contestant:
-    plain = build_model(model_config(args.model), device="cpu", seed=SEED)
-    model = DDP(plain, gradient_as_bucket_view=True)
-    opt = adamw(
-        [p for p in model.parameters() if p.ndim >= 2],
-        [p for p in model.parameters() if p.ndim < 2],
-    )
+def build_ddp(run: Run, rank: int) -> Contestant:
+    model = DDP(build_model(run.cfg, device="cpu", seed=SEED), gradient_as_bucket_view=True)
+    opt = matrices_first(model)
 
     def held():
-        return (
-            [p for p in model.parameters()]
-            + [p.grad for p in model.parameters() if p.grad is not None]
-            + optimizer_tensors(opt)
-        )
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return list(model.parameters()) + grads + optimizer_tensors(opt)
 
-    clip = lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m)
     n = sum(p.numel() for p in model.parameters())
-    note = "" if args.param_dtype == "float32" else "fp32 (DDP has no param_dtype)"
+    note = "" if run.param_dtype == "float32" else "fp32 (DDP has no param_dtype)"
     return Contestant(
         "ddp",
         model,
         opt,
-        float(world),
-        clip,
-        lambda: opt.zero_grad(set_to_none=False),
+        float(run.world),
+        lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m),
+        lambda: opt.zero_grad(set_to_none=False),  # the grads are views of DDP's buckets
         held,
-        comm_bytes_computed=ring_bytes("all_reduce", n * 4, world),
+        wait_from_trace=finalize_wait_s,
+        comm_bytes_computed=ring_bytes("all_reduce", n * 4, run.world),
         dtype_note=note,
     )
 
 
-def build(name: str, args, rank: int, world: int) -> Contestant:
+def build(name: str, run: Run, rank: int) -> Contestant:
     if name in OURS:
-        return build_ours(name, args, rank, world)
-    return build_fsdp2(args, rank, world) if name == "fsdp2" else build_ddp(args, rank, world)
+        return build_ours(name, run, rank)
+    return build_fsdp2(run, rank) if name == "fsdp2" else build_ddp(run, rank)
 
 
 # ----------------------------------------------------------------------------- computed bytes
@@ -203,81 +325,161 @@ def ring_bytes(op: str, payload_bytes: int, world: int) -> int:
     return (2 if op == "all_reduce" else 1) * payload_bytes * (world - 1) // world
 
 
-def fsdp2_comm_bytes(model: torch.nn.Module, world: int, param_dtype: str) -> int:
-    """FSDP2 per step per rank: blocks gathered in forward and again in backward, the root gathered
-    once (FSDP2 keeps the root unsharded after forward), fp32 reduce-scatter of every gradient."""
+def fsdp2_comm_bytes(units: list, world: int, param_dtype: str) -> int:
+    """FSDP2 per step per rank, one collective per group as FSDP2 issues them: each group
+    gathered in forward and, when resharded after forward, again in backward; an fp32
+    reduce-scatter of every group's gradients. The root has no parameters left."""
 
-    def padded(params) -> int:  # FSDP2 shards dim 0 of every parameter, padded to the world size
+    def padded(modules) -> int:  # FSDP2 shards dim 0 of every parameter, padded to the world size
+        mods = modules if isinstance(modules, list) else [modules]
+        params = [p for m in mods for p in m.parameters()]
         return sum(
-            math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1))
-            for p in params
+            math.ceil(p.shape[0] / world) * world * (p.numel() // p.shape[0]) for p in params
         )
 
-    block_ids = {id(p) for b in model.layers for p in b.parameters()}
-    blocks = padded(p for p in model.parameters() if id(p) in block_ids)
-    root = padded(p for p in model.parameters() if id(p) not in block_ids)
-    gather = ring_bytes("all_gather", (2 * blocks + root) * DType(param_dtype).itemsize, world)
-    return gather + ring_bytes("reduce_scatter", (blocks + root) * 4, world)
+    total, itemsize = 0, DType(param_dtype).itemsize
+    for modules, reshard in units:
+        n = padded(modules)
+        total += (2 if reshard else 1) * ring_bytes("all_gather", n * itemsize, world)
+        total += ring_bytes("reduce_scatter", n * 4, world)
+    return total
 
 
 # ----------------------------------------------------------------------------- one step
 
 
-def batches(args, rank: int, n: int) -> list:
-    """n (inputs, targets) pairs of this rank: args.batch x args.seq tokens each, seeded by
-    (step, rank)."""
-    out = []
-    vocab = model_config(args.model).vocab_size
+def batches(run: Run, rank: int, n: int) -> list:
+    """n (inputs, targets) pairs of this rank, batch x seq tokens each, seeded by (step, rank)."""
+    out, m = [], run.model
     for step in range(n):
         g = torch.Generator().manual_seed(SEED + 1000 * step + rank)
-        toks = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
+        toks = torch.randint(0, run.cfg.vocab_size, (m.batch, m.seq + 1), generator=g)
         out.append((toks[:, :-1].contiguous(), toks[:, 1:].contiguous()))
     return out
 
 
-def train_step(
-    c: Contestant, x, y, global_tokens: int, clip: float
-) -> tuple[float, float, float, float]:
-    """One training step as trainer/loop.py runs it: (forward s, backward s, optimizer s, loss)."""
+def train_step(c: Contestant, x, y, global_tokens: int, clip: float) -> tuple[float, float, float]:
+    """One training step as trainer/loop.py runs it: (forward s, backward s, optimizer s). The
+    ranges name forward and backward in a profiler trace (a few microseconds when none runs)."""
     t0 = time.perf_counter()
-    s, _ = loss_sum(c.model(x), y)
+    with record_function(FORWARD):
+        s, _ = loss_sum(c.model(x), y)
     t1 = time.perf_counter()
-    (s * (c.loss_scale / global_tokens)).backward()
+    with record_function(BACKWARD):
+        (s * (c.loss_scale / global_tokens)).backward()
     t2 = time.perf_counter()
     if clip > 0:
         c.clip(clip)
     c.optimizer.step()
     c.zero_grad()
     t3 = time.perf_counter()
-    if c.fsdp is not None:
-        c.fsdp.metrics(c.optimizer)  # counts the optimizer state in the accounting
-    loss = float(s.detach()) / (x.numel())
-    c.losses.append(loss)
+    c.losses.append(float(s.detach()) / x.numel())
     c.steps_done += 1
-    return t1 - t0, t2 - t1, t3 - t2, loss
+    return t1 - t0, t2 - t1, t3 - t2
 
 
-def timed_step(c: Contestant, data: list, args, global_tokens: int, rep: Optional[int]) -> None:
+def engine_wait_s(c: Contestant) -> Optional[float]:
+    """Ours: seconds the step blocked on collectives, by the engine's own count (the accounting
+    runs from a step's first forward to its zero_grad; reading it resets nothing)."""
+    if c.fsdp is None:
+        return None
+    return c.fsdp.metrics(c.optimizer)["comm/exposed_ms"] / 1e3  # also counts the AdamW state
+
+
+def timed_step(c: Contestant, data: list, run: Run, rep: Optional[int]) -> None:
     """One barrier-to-barrier step; recorded under repetition `rep` unless it is None (warmup)."""
     x, y = data[c.steps_done]
     dist.barrier()
     t0 = time.perf_counter()
-    fwd, bwd, opt, _ = train_step(c, x, y, global_tokens, args.clip)
+    fwd, bwd, opt = train_step(c, x, y, run.global_tokens, run.clip)
     dist.barrier()  # the step ends when the slowest rank is done
+    total = time.perf_counter() - t0
+    wait = engine_wait_s(c)
     if rep is not None:
-        c.times.append((time.perf_counter() - t0, fwd, bwd, opt, rep))
+        c.times.append(StepTime(total, fwd, bwd, opt, rep, wait))
 
 
-def run_reps(contestants: list, data: list, args, global_tokens: int) -> None:
+def run_reps(contestants: list, data: list, run: Run) -> None:
     """Alternate contestants; rotate who goes first in each repetition."""
-    k = len(contestants)
-    for rep in range(args.reps):
+    k, m = len(contestants), run.model
+    for rep in range(m.reps):
         order = contestants[rep % k :] + contestants[: rep % k]
         for c in order:
-            for _ in range(args.warmup if rep == 0 else min(1, args.warmup)):
-                timed_step(c, data, args, global_tokens, None)
-            for _ in range(args.steps):
-                timed_step(c, data, args, global_tokens, rep)
+            for _ in range(m.warmup if rep == 0 else min(1, m.warmup)):
+                timed_step(c, data, run, None)
+            for _ in range(m.steps):
+                timed_step(c, data, run, rep)
+
+
+# ----------------------------------------------------------------------------- exposed comm
+
+
+def find(nodes, name: str) -> Iterator:
+    """Every profiler event named `name` in the trees under `nodes`."""
+    for node in nodes:
+        if node.name == name:
+            yield node
+        yield from find(node.children, name)
+
+
+def collectives(node) -> Iterator[tuple]:
+    """(op, parent) for each c10d collective op under `node` that is not inside another one."""
+    for child in node.children:
+        if child.name.startswith("c10d::"):
+            yield child, node
+        else:
+            yield from collectives(child)
+
+
+def uncovered_after_ns(parent, t_ns: int) -> int:
+    """Nanoseconds of `parent` after t_ns spent outside any recorded child event."""
+    covered = sum(
+        c.end_time_ns - max(c.start_time_ns, t_ns) for c in parent.children if c.end_time_ns > t_ns
+    )
+    return parent.end_time_ns - t_ns - covered
+
+
+def synchronous_wait_s(forward, backward) -> float:
+    """FSDP2 on gloo: after each collective op returns, dist.* blocks in Work.wait(), recorded by
+    no event: the time from the op's end to the next event of its parent (or the parent's end)."""
+    total = 0
+    for phase in (forward, backward):
+        for op, parent in collectives(phase):
+            later = [c.start_time_ns for c in parent.children if c.start_time_ns >= op.end_time_ns]
+            total += min(later, default=parent.end_time_ns) - op.end_time_ns
+    return total / 1e9
+
+
+def finalize_wait_s(forward, backward) -> float:
+    """DDP: its reducer waits for every bucket's all-reduce after the last autograd function, in
+    un-instrumented C++: backward's uncovered time after that function ended."""
+    fns = [c for c in backward.children if c.name.startswith("autograd::engine::evaluate_function")]
+    last = max((c.end_time_ns for c in fns), default=backward.start_time_ns)
+    return uncovered_after_ns(backward, last) / 1e9
+
+
+def comm_in_trace(c: Contestant, prof) -> dict:
+    """One profiled step's communication: launch (s), the main-thread time in top-level c10d ops
+    of forward and backward; wait (s), from the trace for torch's contestants and from the
+    engine's count for ours; ops, the names of those c10d ops."""
+    roots = list(prof.profiler.kineto_results.experimental_event_tree())
+    forward, backward = next(find(roots, FORWARD)), next(find(roots, BACKWARD))
+    ops = [op for phase in (forward, backward) for op, _ in collectives(phase)]
+    launch = sum(op.end_time_ns - op.start_time_ns for op in ops) / 1e9
+    wait = c.wait_from_trace(forward, backward) if c.wait_from_trace else engine_wait_s(c)
+    return {"launch": launch, "wait": wait, "ops": sorted({op.name for op in ops})}
+
+
+def profile_comm(c: Contestant, data: list, run: Run) -> None:
+    """The model's profile_steps untimed steps under torch.profiler (CPU activity), apart from
+    the timed ones so that the profiler's overhead never pollutes a step-time median."""
+    for _ in range(run.model.profile_steps):
+        x, y = data[c.steps_done]
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            train_step(c, x, y, run.global_tokens, run.clip)
+        dist.barrier()
+        c.profiled.append(comm_in_trace(c, prof))
 
 
 # ----------------------------------------------------------------------------- memory
@@ -312,11 +514,11 @@ def step_peak_allocated(c: Contestant, x, y, global_tokens: int, clip: float) ->
     return peak
 
 
-def measure_memory(c: Contestant, data: list, global_tokens: int, clip: float) -> dict:
+def measure_memory(c: Contestant, data: list, run: Run) -> dict:
     held = held_bytes(c.held())
     x, y = data[c.steps_done]
     dist.barrier()
-    peak = step_peak_allocated(c, x, y, global_tokens, clip)
+    peak = step_peak_allocated(c, x, y, run.global_tokens, run.clip)
     out = {"held_bytes": held, "step_peak_extra_bytes": peak, "torch_peak_bytes": held + peak}
     if c.fsdp is not None:
         acct = c.fsdp.acct
@@ -333,64 +535,89 @@ def measure_memory(c: Contestant, data: list, global_tokens: int, clip: float) -
 # ----------------------------------------------------------------------------- one rank
 
 
+def ms(values) -> Optional[float]:
+    """Median of seconds, in milliseconds (None when nothing was measured)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) * 1e3 if values else None
+
+
+def exposure(c: Contestant) -> dict:
+    """Median wait and launch per step (ms): ours' wait from the timed steps, the rest from the
+    profiled ones; exposed = wait + launch."""
+    wait = ms(t.wait for t in c.times) if c.fsdp is not None else ms(p["wait"] for p in c.profiled)
+    launch = ms(p["launch"] for p in c.profiled)
+    exposed = None if wait is None or launch is None else wait + launch
+    return dict(
+        wait_ms=wait,
+        wait_profiled_ms=ms(p["wait"] for p in c.profiled),
+        launch_ms=launch,
+        exposed_ms=exposed,
+        comm_ops=sorted({op for p in c.profiled for op in p["ops"]}),
+    )
+
+
 def summarise(c: Contestant, mem: dict, global_tokens: int) -> dict:
-    med = [statistics.median(t[i] for t in c.times) for i in range(4)]
-    reps = sorted({t[4] for t in c.times})
-    rep_ms = [statistics.median(t[0] for t in c.times if t[4] == r) * 1e3 for r in reps]
+    reps = sorted({t.rep for t in c.times})
     return dict(
         name=c.name,
-        ms=med[0] * 1e3,
-        fwd_ms=med[1] * 1e3,
-        bwd_ms=med[2] * 1e3,
-        opt_ms=med[3] * 1e3,
-        min_ms=min(t[0] for t in c.times) * 1e3,
-        rep_ms=rep_ms,
+        ms=ms(t.total for t in c.times),
+        fwd_ms=ms(t.fwd for t in c.times),
+        bwd_ms=ms(t.bwd for t in c.times),
+        opt_ms=ms(t.opt for t in c.times),
+        min_ms=min(t.total for t in c.times) * 1e3,
+        rep_ms=[ms(t.total for t in c.times if t.rep == r) for r in reps],
         n=len(c.times),
-        tokens_per_s=global_tokens / med[0],
+        tokens_per_s=global_tokens / (ms(t.total for t in c.times) / 1e3),
         comm_computed=c.fsdp is None,
         note=c.dtype_note,
         losses=c.losses,
+        **exposure(c),
         **mem,
     )
 
 
-def rank_main(rank: int, world: int, args) -> Optional[dict]:
-    global_tokens = world * args.batch * args.seq
-    names = [n for n in ORDER if n in args.contestants]
-    contestants = [build(n, args, rank, world) for n in names]
-    n_steps = args.warmup + (args.reps - 1) * min(1, args.warmup) + args.reps * args.steps + 1
-    data = batches(args, rank, n_steps)
-    run_reps(contestants, data, args, global_tokens)
-    mems = [measure_memory(c, data, global_tokens, args.clip) for c in contestants]
+def rank_main(rank: int, run: Run) -> Optional[dict]:
+    names = [n for n in ORDER if n in run.model.contestants]
+    contestants = [build(n, run, rank) for n in names]
+    data = batches(run, rank, run.n_steps())
+    run_reps(contestants, data, run)
+    for c in contestants:
+        profile_comm(c, data, run)
+    mems = [measure_memory(c, data, run) for c in contestants]
     if rank != 0:
         return None
+    m = run.model
     return dict(
-        contestants=[summarise(c, m, global_tokens) for c, m in zip(contestants, mems)],
-        world=world,
-        model=args.model,
-        params=count_params(model_config(args.model)),
-        tokens_per_step=global_tokens,
-        param_dtype=args.param_dtype,
+        contestants=[summarise(c, mem, run.global_tokens) for c, mem in zip(contestants, mems)],
+        name=run.name,
+        cfg=run.cfg,
+        world=run.world,
+        params=count_params(run.cfg),
+        batch=m.batch,
+        seq=m.seq,
+        tokens_per_step=run.global_tokens,
+        param_dtype=run.param_dtype,
         threads=torch.get_num_threads(),
-        steps=args.steps,
-        reps=args.reps,
-        warmup=args.warmup,
+        steps=m.steps,
+        reps=m.reps,
+        warmup=m.warmup,
+        profile_steps=m.profile_steps,
     )
 
 
-def _entry(rank: int, world: int, port: int, args, queue) -> None:
+def _entry(rank: int, port: int, run: Run, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(world),
+        WORLD_SIZE=str(run.world),
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(run.world),
     )
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(run.threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        queue.put((rank, "ok", rank_main(rank, world, args)))
+        dist.init_process_group("gloo", rank=rank, world_size=run.world)
+        queue.put((rank, "ok", rank_main(rank, run)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -404,24 +631,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args) -> dict:
-    """Run rank_main on args.world gloo ranks; return rank 0's result (raise with a rank's
-    traceback)."""
+def spawn(run: Run) -> dict:
+    """rank_main on run.world gloo ranks; rank 0's result (raises with a failed rank's trace)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, args.world, port, args, queue))
-        for r in range(args.world)
-    ]
+    procs = [ctx.Process(target=_entry, args=(r, port, run, queue)) for r in range(run.world)]
     for p in procs:
         p.start()
     result = None
     try:
-        for _ in range(args.world):
-            rank, status, value = queue.get(timeout=args.timeout)
+        for _ in range(run.world):
+            rank, status, value = queue.get(timeout=run.timeout)
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(f"rank {rank} of model {run.name} failed:\n{value}")
             if rank == 0:
                 result = value
     finally:
@@ -447,125 +670,238 @@ def mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def ratio(a, b) -> Optional[float]:
+    return None if a is None or not b else a / b
+
+
 def loss_rel_diff(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def ratios(c: dict, ref: dict) -> dict:
-    """c's step time over ref's three ways: medians of all steps (the headline), the median over
-    repetitions of the ratio of same-repetition medians (paired: robust to slow drift of a shared
-    machine) and the ratio of the fastest steps (the least disturbed)."""
+    """c over ref: step time three ways (median of all steps; paired: the median over
+    repetitions of the ratio of same-repetition medians, robust to slow drift of a shared
+    machine, the headline; min: of the fastest, least disturbed steps), exposed comm, peak."""
     paired = statistics.median(a / b for a, b in zip(c["rep_ms"], ref["rep_ms"]))
-    return dict(median=c["ms"] / ref["ms"], paired=paired, min=c["min_ms"] / ref["min_ms"])
+    return dict(
+        median=c["ms"] / ref["ms"],
+        paired=paired,
+        min=c["min_ms"] / ref["min_ms"],
+        exposed=ratio(c["exposed_ms"], ref["exposed_ms"]),
+        peak=ratio(c["torch_peak_bytes"], ref["torch_peak_bytes"]),
+    )
 
 
-def table(res: dict) -> str:
-    by = {c["name"]: c for c in res["contestants"]}
+def pairs(by: dict) -> Iterator[tuple[str, str]]:
+    """(ours, reference) for every pair present, in report order."""
+    for name in OURS:
+        for ref in REFS:
+            if name in by and ref in by:
+                yield name, ref
+
+
+def time_table(res: dict) -> list[str]:
     head = (
         f"{'contestant':20} {'median ms':>9} {'min ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} "
-        f"{'tok/s':>8} "
-        f"{'held MiB':>8} {'peak MiB':>8} {'acct pk':>8} {'acct prs':>8} {'comm MiB':>9}"
+        f"{'tok/s':>7} {'exposed':>8} {'wait':>7} {'launch':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for c in res["contestants"]:
+        lines.append(
+            f"{LABELS[c['name']]:20} {c['ms']:9.1f} {c['min_ms']:8.1f} {c['fwd_ms']:7.1f} "
+            f"{c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:7.0f} "
+            f"{num(c['exposed_ms'], '8.1f')} {num(c['wait_ms'], '7.1f')} "
+            f"{num(c['launch_ms'], '7.1f')}" + (f"  [{c['note']}]" if c["note"] else "")
+        )
+    return lines
+
+
+def memory_table(res: dict) -> list[str]:
+    head = (
+        f"{'contestant':20} {'held MiB':>8} {'peak MiB':>8} {'acct pk':>8} {'acct prs':>8} "
+        f"{'comm MiB':>9}"
     )
     lines = [head, "-" * len(head)]
     for c in res["contestants"]:
         comm = mib(c["comm_bytes"]) + ("*" if c["comm_computed"] else " ")
         lines.append(
-            f"{LABELS[c['name']]:20} {c['ms']:9.1f} {c['min_ms']:8.1f} {c['fwd_ms']:7.1f} "
-            f"{c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:8.0f} "
-            f"{mib(c['held_bytes']):>8} "
-            f"{mib(c['torch_peak_bytes']):>8} {mib(c.get('acct_peak_bytes')):>8} "
-            f"{mib(c.get('acct_persistent_bytes')):>8} {comm:>9}"
-            + (f"  [{c['note']}]" if c["note"] else "")
+            f"{LABELS[c['name']]:20} {mib(c['held_bytes']):>8} {mib(c['torch_peak_bytes']):>8} "
+            f"{mib(c.get('acct_peak_bytes')):>8} {mib(c.get('acct_persistent_bytes')):>8} "
+            f"{comm:>9}"
         )
-    lines += ["", f"{'step time ratio':20} {'ref':>6} {'median':>8} {'paired':>8} {'min':>8}"]
-    for name in OURS:
-        for ref in ("fsdp2", "ddp"):
-            if name in by and ref in by:
-                r = ratios(by[name], by[ref])
-                lines.append(
-                    f"{LABELS[name]:20} {ref:>6} {r['median']:8.3f} {r['paired']:8.3f} "
-                    f"{r['min']:8.3f}"
-                )
-    lines += [
-        "",
-        f"model {res['model']} ({res['params']:,} params), world {res['world']} gloo ranks, "
-        f"{res['tokens_per_step']} tokens/step (global), param_dtype {res['param_dtype']}, "
-        f"{res['threads']} torch thread(s)/rank, {res['reps']} reps x {res['steps']} timed steps "
-        f"(warmup {res['warmup']}), contestants alternating; 1-min load average "
-        f"{res['load'][0]:.1f} "
-        f"before, {res['load'][1]:.1f} after, on {os.cpu_count()} cores.",
-        "ms: median (and min) step time, barrier to barrier (slowest rank); fwd/bwd/opt: "
-        "rank-0 medians "
-        "(opt = clip + AdamW + zero_grad).",
-        "held: tensors kept between steps (params/shards, grads, AdamW state); peak: held + peak "
-        "extra bytes from the torch CPU allocator during one step (torch.profiler profile_memory, "
-        "main thread, rank 0).",
-        "acct pk / acct prs: our engine's accounting, peak total bytes in a step / persistent "
-        "bytes.",
-        "comm: bytes sent per step per rank (ring convention); * = computed from parameter sizes, "
-        "not measured.",
-        "ratios: median = of all-step medians (headline); paired = median over reps of same-rep "
-        "median "
-        "ratios; min = of fastest steps.",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
-def headline(res: dict) -> dict:
+def ratio_table(res: dict) -> list[str]:
     by = {c["name"]: c for c in res["contestants"]}
-    out = {}
-    for name in OURS:
-        for ref in ("fsdp2", "ddp"):
-            if name in by and ref in by:
-                r = ratios(by[name], by[ref])
-                out[f"{name}_step_time_vs_{ref}"] = round(r["median"], 4)
-                out[f"{name}_step_time_vs_{ref}_paired"] = round(r["paired"], 4)
-                out[f"{name}_step_time_vs_{ref}_min"] = round(r["min"], 4)
+    head = (
+        f"{'ours / reference':20} {'ref':>6} {'paired':>7} {'median':>7} {'min':>7} "
+        f"{'exposed':>8} {'peak':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, ref in pairs(by):
+        r = ratios(by[name], by[ref])
+        lines.append(
+            f"{LABELS[name]:20} {ref:>6} {r['paired']:7.3f} {r['median']:7.3f} {r['min']:7.3f} "
+            f"{num(r['exposed'], '8.3f')} {num(r['peak'], '7.3f')}"
+        )
+    return lines
+
+
+def goals_line(head: dict) -> str:
+    if "goal_step_time_le_0.9x_fsdp2" not in head:
+        return "goals: need ours FULL_SHARD and torch FSDP2"
+    yes = lambda key: "met" if head[key] else "NOT met"
+    paired = head["full_shard_step_time_vs_fsdp2_paired"]
+    exposed = [num(head[f"{n}_exposed_ms"], ".1f") for n in ("full_shard", "fsdp2")]
+    peak = [mib(head[f"{n}_peak_bytes"]) for n in ("full_shard", "fsdp2")]
+    return (
+        f"goals, ours FULL_SHARD vs torch FSDP2: step time {yes('goal_step_time_le_0.9x_fsdp2')} "
+        f"(paired {paired:.3f}, target <= {GOAL_STEP_RATIO}); exposed comm "
+        f"{yes('goal_exposed_le_fsdp2')} ({exposed[0]} vs {exposed[1]} ms); peak memory "
+        f"{yes('goal_peak_le_fsdp2')} ({peak[0]} vs {peak[1]} MiB)"
+    )
+
+
+def describe(res: dict) -> str:
+    cfg = res["cfg"]
+    return (
+        f"== {res['name']}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn "
+        f"{cfg.ffn_dim}, vocab {cfg.vocab_size} ({res['params']:,} params); {res['world']} gloo "
+        f"ranks x {res['batch']} x {res['seq']} tokens ({res['tokens_per_step']}/step), "
+        f"param_dtype {res['param_dtype']}, {res['threads']} torch thread(s)/rank; {res['reps']} "
+        f"reps x {res['steps']} timed steps (warmup {res['warmup']}), {res['profile_steps']} "
+        f"profiled steps"
+    )
+
+
+def table(res: dict, head: dict) -> str:
+    lines = [describe(res), *time_table(res), "", *memory_table(res), "", *ratio_table(res)]
+    return "\n".join([*lines, "", goals_line(head)])
+
+
+FOOTNOTES = """\
+ms: step time barrier to barrier (slowest rank), median and min; fwd/bwd/opt: rank-0 medians (opt
+= clip + AdamW + zero_grad). exposed = wait + launch, ms per step, rank 0, forward + backward only:
+wait = ours: the engine's comm/exposed_ms (timed steps); FSDP2: blocked in its synchronous gloo
+collectives; DDP: its reducer's wait at the end of backward (both from profiled steps); launch =
+main-thread time in c10d ops (profiled steps).
+held: tensors kept between steps (params/shards, grads, AdamW state); peak: held + peak extra
+bytes from the torch CPU allocator during one step (profile_memory, main thread, rank 0).
+acct pk / acct prs: our engine's accounting, peak total bytes in a step / persistent bytes.
+comm: bytes sent per step per rank (ring convention); * = computed from parameter sizes.
+ratios: paired = median over reps of same-rep median ratios (headline); median = of all-step
+medians; min = of fastest steps; exposed and peak as above."""
+
+
+def model_headline(res: dict) -> dict:
+    """The figures of one model: per contestant, ratios of ours to the references, the goals."""
+    by = {c["name"]: c for c in res["contestants"]}
+    cfg = res["cfg"]
+    out = dict(
+        config=dict(
+            dim=cfg.dim,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            ffn_dim=cfg.ffn_dim,
+            vocab_size=cfg.vocab_size,
+        ),
+        params=res["params"],
+        batch=res["batch"],
+        seq=res["seq"],
+        tokens_per_step=res["tokens_per_step"],
+        timed_steps=res["reps"] * res["steps"],
+        profile_steps=res["profile_steps"],
+    )
+    rnd = lambda x, d=4: None if x is None else round(x, d)
+    for name, ref in pairs(by):
+        r = ratios(by[name], by[ref])
+        out[f"{name}_step_time_vs_{ref}"] = rnd(r["median"])
+        out[f"{name}_step_time_vs_{ref}_paired"] = rnd(r["paired"])
+        out[f"{name}_step_time_vs_{ref}_min"] = rnd(r["min"])
+        out[f"{name}_exposed_vs_{ref}"] = rnd(r["exposed"])
+        out[f"{name}_peak_vs_{ref}"] = rnd(r["peak"])
     for name, c in by.items():
-        out[f"{name}_ms"] = round(c["ms"], 2)
-        out[f"{name}_min_ms"] = round(c["min_ms"], 2)
-        out[f"{name}_tokens_per_s"] = round(c["tokens_per_s"], 1)
+        out[f"{name}_ms"] = rnd(c["ms"], 2)
+        out[f"{name}_min_ms"] = rnd(c["min_ms"], 2)
+        out[f"{name}_tokens_per_s"] = rnd(c["tokens_per_s"], 1)
+        out[f"{name}_exposed_ms"] = rnd(c["exposed_ms"], 2)
+        out[f"{name}_exposed_wait_ms"] = rnd(c["wait_ms"], 2)
+        out[f"{name}_comm_launch_ms"] = rnd(c["launch_ms"], 2)
+        out[f"{name}_comm_ops"] = c["comm_ops"]
         out[f"{name}_peak_bytes"] = c["torch_peak_bytes"]
         out[f"{name}_comm_bytes"] = c["comm_bytes"]
+    for name in OURS:
+        if name in by:  # the engine's wait in the profiled steps: how much the profiler adds
+            out[f"{name}_exposed_wait_profiled_ms"] = rnd(by[name]["wait_profiled_ms"], 2)
     if "full_shard" in by:
         out["full_shard_acct_peak_bytes"] = by["full_shard"]["acct_peak_bytes"]
         out["full_shard_acct_persistent_bytes"] = by["full_shard"]["acct_persistent_bytes"]
     if "fsdp2" in by:
-        out["max_loss_rel_diff_vs_fsdp2"] = max(
-            (
-                loss_rel_diff(c["losses"], by["fsdp2"]["losses"])
-                for n, c in by.items()
-                if n != "fsdp2"
-            ),
-            default=0.0,
-        )
-    if "full_shard_step_time_vs_fsdp2" in out:
-        out["goal_full_shard_le_fsdp2"] = out["full_shard_step_time_vs_fsdp2"] <= 1.0
-    out.update(
-        world=res["world"],
-        model=res["model"],
-        param_dtype=res["param_dtype"],
-        tokens_per_step=res["tokens_per_step"],
-        timed_steps=res["reps"] * res["steps"],
-        threads=res["threads"],
-        load_avg=[round(x, 2) for x in res["load"]],
+        others = [loss_rel_diff(c["losses"], by["fsdp2"]["losses"]) for n, c in by.items()]
+        out["max_loss_rel_diff_vs_fsdp2"] = max(others)
+    return {**out, **goals(by)}
+
+
+def goals(by: dict) -> dict:
+    """The issue's three goals for ours FULL_SHARD against torch FSDP2 (none without both)."""
+    if "full_shard" not in by or "fsdp2" not in by:
+        return {}
+    ours, ref = by["full_shard"], by["fsdp2"]
+    r = ratios(ours, ref)
+    exposed_ok = ours["exposed_ms"] is not None and ours["exposed_ms"] <= ref["exposed_ms"]
+    return {
+        "goal_step_time_le_0.9x_fsdp2": r["paired"] <= GOAL_STEP_RATIO,
+        "goal_exposed_le_fsdp2": exposed_ok,
+        "goal_peak_le_fsdp2": ours["torch_peak_bytes"] <= ref["torch_peak_bytes"],
+    }
+
+
+def headline(results: list[dict], load: tuple[float, float], wall_s: float) -> dict:
+    models = {res["name"]: model_headline(res) for res in results}
+    met = [v for m in models.values() for k, v in m.items() if k.startswith("goal_")]
+    first = results[0]
+    return dict(
+        models=models,
+        all_goals_met=bool(met) and all(met),
+        world=first["world"],
+        param_dtype=first["param_dtype"],
+        threads=first["threads"],
+        load_avg=[round(x, 2) for x in load],
+        wall_s=round(wall_s, 1),
     )
-    return out
+
+
+# ----------------------------------------------------------------------------- command line
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated: {', '.join(MODELS)} (see the module docstring) or presets of "
+        "trainer/config.py (run like tiny)",
+    )
     p.add_argument("--world", type=int, default=2, help="gloo ranks (processes)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per contestant per repetition")
+    for key, what in (  # default None: the model's own value (MODELS)
+        ("steps", "timed steps per contestant per repetition"),
+        ("reps", "repetitions (contestants alternate inside each)"),
+        ("warmup", "untimed steps per contestant in the first repetition"),
+        ("batch", "sequences per rank"),
+        ("seq", "tokens per sequence"),
+    ):
+        p.add_argument(f"--{key}", type=int, default=None, help=f"{what} (default: per model)")
     p.add_argument(
-        "--reps", type=int, default=10, help="repetitions (contestants alternate inside each)"
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="untimed profiled steps per contestant, for exposed comm (default: per model)",
     )
-    p.add_argument(
-        "--warmup", type=int, default=3, help="untimed steps per contestant in the first repetition"
-    )
-    p.add_argument("--model", default="tiny", help="model preset of trainer/model.py")
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument(
         "--param-dtype", default="float32", choices=[d.value for d in DType], help="compute dtype"
     )
@@ -575,31 +911,71 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--contestants",
-        default=",".join(ORDER),
-        help=f"comma-separated subset of {','.join(ORDER)}",
+        default=None,
+        help=f"comma-separated subset of {','.join(ORDER)} (default: per model)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks")
     args = p.parse_args(argv)
-    args.contestants = [c.strip() for c in args.contestants.split(",") if c.strip()]
-    bad = [c for c in args.contestants if c not in ORDER]
-    if bad:
-        p.error(f"--contestants {bad[0]!r}: valid: {', '.join(ORDER)}")
-    for key in ("world", "steps", "reps", "batch", "seq", "threads"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key}={getattr(args, key)}: valid: an integer >= 1")
-    if args.warmup < 0:
+    args.models = split(p, "--models", args.models, ())
+    if args.contestants is not None:
+        args.contestants = tuple(split(p, "--contestants", args.contestants, ORDER))
+    for key in ("world", "steps", "reps", "batch", "seq", "threads", "profile_steps"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            p.error(f"--{key.replace('_', '-')}={value}: valid: an integer >= 1")
+    if args.warmup is not None and args.warmup < 0:
         p.error(f"--warmup={args.warmup}: valid: an integer >= 0")
-    model_config(args.model)  # fails early with the valid preset names
+    for name in args.models:
+        try:
+            bench_model(name, args).config()
+        except ValueError as e:  # ConfigError: names the preset and the valid ones
+            p.error(f"--models {name!r}: valid: {', '.join(MODELS)} or a preset ({e})")
     return args
+
+
+def split(p: argparse.ArgumentParser, flag: str, value: str, valid: tuple) -> list:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if valid and v not in valid]
+    if bad or not items:
+        p.error(f"{flag} {value!r}: valid: a comma-separated subset of {','.join(valid) or '...'}")
+    return items
+
+
+def bench_model(name: str, args) -> BenchModel:
+    """The named model with whichever of --batch, --seq, --steps, --reps, --warmup,
+    --profile-steps and --contestants were given applied."""
+    base = MODELS.get(name) or replace(MODELS["tiny"], preset=name)
+    keys = ("batch", "seq", "steps", "reps", "warmup", "profile_steps", "contestants")
+    return replace(base, **{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+
+
+def make_run(name: str, args) -> Run:
+    return Run(
+        name=name,
+        model=bench_model(name, args),
+        world=args.world,
+        param_dtype=args.param_dtype,
+        clip=args.clip,
+        threads=args.threads,
+        timeout=args.timeout,
+    )
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    load_before = os.getloadavg()[0]
-    res = spawn(args)
-    res["load"] = (load_before, os.getloadavg()[0])
-    print(table(res))
-    print(json.dumps(headline(res)), flush=True)
+    load_before, t0 = os.getloadavg()[0], time.perf_counter()
+    results = []
+    for name in args.models:
+        res = spawn(make_run(name, args))
+        results.append(res)
+        print(table(res, model_headline(res)) + "\n", flush=True)
+    print(FOOTNOTES)
+    print(
+        f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+        f"{os.cpu_count()} cores."
+    )
+    load = (load_before, os.getloadavg()[0])
+    print(json.dumps(headline(results, load, time.perf_counter() - t0)), flush=True)
 
 
 if __name__ == "__main__":
