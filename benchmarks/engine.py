@@ -30,7 +30,8 @@ Contestants, all built in the same process group and trained on the same batches
 A step is what trainer/loop.py does: forward, loss, backward, global-norm clip, AdamW step, zero
 the gradients. Every contestant gets the same AdamW: trainer.optim.implementation("cpu")
 (foreach=True), weight decay on matrices only; FSDP2 zeroes with set_to_none=True (it frees its
-gradient shards between steps), DDP keeps its bucket views, ours zeroes its persistent shards.
+gradient shards between steps), DDP keeps its bucket views, ours frees its gradient shards too
+(FSDPModel.zero_grad's default, set_to_none).
 Our loss is divided by the global token count (the engine sums gradients); FSDP2 and DDP average
 over ranks, so theirs is multiplied by the world size: every contestant computes the same
 gradient and the losses must agree (checked).
@@ -64,7 +65,7 @@ per contestant under torch.profiler (CPU activity), so the profiler never touche
 
 Memory is measured in two ways, both per rank (rank 0 shown):
 - ours, accounting: the engine's own peak total bytes in a step and its persistent bytes
-  (sharded params + grads + optimizer state), from FSDPModel.acct;
+  (sharded params + optimizer state: zero_grad freed the gradient shards), from FSDPModel.acct;
 - all contestants, torch CPU allocator: bytes of the tensors held between steps (parameters or
   shards, gradients, optimizer state; storages counted once) plus the peak of extra bytes the
   torch allocator handed out during one step, recorded by torch.profiler(profile_memory=True) on

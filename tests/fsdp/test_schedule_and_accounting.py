@@ -189,18 +189,22 @@ def _flat_sizes(r):
     return padded, shard, valid
 
 
-def test_persistent_bytes_are_16_per_param_over_n_plus_padding(accounted):
+def test_state_is_16_bytes_per_param_over_n_in_a_step_12_between_steps(accounted):
     world, results = accounted
     for cfg, r in zip(ACCT_CONFIGS, results):
         padded, shard, valid = _flat_sizes(r)
         P = r["num_params"]
         persistent = r["acct"][-1]["persistent"]
-        # fp32 shard + fp32 grad shard over the padded slice; exp_avg + exp_avg_sq over real
-        # elements.
-        assert persistent == 8 * shard + 8 * valid, cfg
+        grads = r["acct"][-1]["peak"]["sharded_grads"]
+        # Between steps: the fp32 shard over the padded slice, exp_avg + exp_avg_sq over real
+        # elements; the fp32 gradient shard (padded slice) exists from its unit's first
+        # reduction to zero_grad, which frees it.
+        assert persistent == 4 * shard + 8 * valid, cfg
+        assert grads == 4 * shard and r["acct"][-1]["live"].get("sharded_grads", 0) == 0, cfg
         n = 1 if cfg["strategy"] in ("NO_SHARD", "HYBRID_SHARD") else world
         units = len(r["flats"])
-        assert abs(persistent - 16 * P / n) <= 16 * n * units, (cfg, persistent, 16 * P / n)
+        total = persistent + grads
+        assert abs(total - 16 * P / n) <= 16 * n * units, (cfg, total, 16 * P / n)
 
 
 def test_bytes_per_step_follow_the_strategy_formulas(accounted):

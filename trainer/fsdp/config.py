@@ -100,9 +100,11 @@ class ShardingConfig:
     """Prefetch depth k: while a unit computes, the all-gathers of the next k units (forward
     or backward order) are issued, and no more. Gathered parameters stay within the root +
     (1 + k) x the largest unit."""
-    max_reductions_in_flight: int = 2
-    """Bound on gradient reductions issued but not yet folded into the fp32 gradient shards: the
-    oldest is waited for when a newer one is issued, so unsharded gradients never pile up."""
+    max_reductions_in_flight: int = 1
+    """Bound on gradient reductions issued but not yet folded into the fp32 gradient shards, the
+    newest included: the oldest is retired (waited for, its buffers freed) before a newer one is
+    issued, so unsharded gradients never pile up. 1 (as FSDP2) hides each reduction behind the
+    next unit's backward; more only helps when one unit's backward is shorter than a reduction."""
     sharded_grad_accumulation: bool = False
     """With train.micro_batches > 1: reduce-scatter every micro-batch's gradient into the fp32
     gradient shard instead of keeping the whole model's unsharded gradient (in reduce_dtype)

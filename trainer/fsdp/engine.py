@@ -261,12 +261,22 @@ class FSDPModel(torch.nn.Module):
                     flat.grad.mul_(coef)
         return norm
 
-    def zero_grad(self) -> None:
-        """Zero the fp32 gradient shards (kept allocated: they are persistent state, 4 B/param/N).
-        Ends the step: the next forward starts the next step's accounting."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """End the step's gradients; the next forward starts the next step's accounting.
+
+        set_to_none (the default, as torch's optimizers and FSDP2): free the fp32 gradient shards
+        (4 B/param/N), so between steps and through the next forward only the parameters and the
+        optimizer state stay; each shard comes back at its unit's first reduction, taking the
+        reduced shard itself when it is already fp32. Offloaded shards stay (pinned host memory
+        is too slow to allocate per step) and are zeroed; so are all with set_to_none=False."""
         for flat in self.flats():
             if flat.grad is not None:
-                flat.grad.zero_()
+                if set_to_none and not flat.host:
+                    self.acct.free("sharded_grads", flat.grad.numel() * flat.grad.element_size())
+                    flat.grad = None
+                    flat.attach_grad_views()
+                else:
+                    flat.grad.zero_()
             flat.grad_is_zero = True
         self._step_open = False
 

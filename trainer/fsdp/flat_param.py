@@ -93,14 +93,29 @@ class FlatParameter:
         """Fold a reduced gradient shard into the fp32 gradient shard (overwriting it after
         zero_grad). Returns the bytes allocated: the gradient shard is created at the first
         reduction (pinned on the host when offloaded), then kept."""
-        allocated = 0
         if self.grad is None:
-            pin = self.host and self.device.type == "cuda"
-            self.grad = torch.zeros(
-                self.shard_numel, dtype=torch.float32, device=self.shard.device, pin_memory=pin
+            adopt = (
+                not self.host  # the host path hands over a staging buffer it reuses
+                and shard.dtype == torch.float32
+                and shard.device == self.shard.device
+                and shard.numel() == self.shard_numel
             )
-            allocated = self.shard_numel * 4
+            pin = self.host and self.device.type == "cuda"
+            self.grad = (
+                shard  # the reduced fp32 shard becomes the gradient shard: no copy, no second one
+                if adopt
+                else torch.empty(
+                    self.shard_numel, dtype=torch.float32, device=self.shard.device, pin_memory=pin
+                )
+            )
             self.attach_grad_views()
+            if adopt:
+                self.grad_is_zero = False
+                return self.shard_numel * 4
+            self.grad_is_zero = True
+            allocated = self.shard_numel * 4
+        else:
+            allocated = 0
         if self.grad_is_zero:
             self.grad.copy_(shard)
         else:

@@ -61,11 +61,18 @@ class Reducer:
     def reduce(self, u: FSDPUnit, i: int, g: torch.Tensor) -> None:
         """Launch the reduction of flat i of unit u; retire the oldest pending one past the bound.
 
-        Invariant: at most max_in_flight unsharded gradients are alive after this call (one more
-        while the newest is issued), whatever the depth of the model."""
+        Invariant: at most max_in_flight unsharded gradients are alive after this call, the newest
+        included (one more while the newest arrives, before the oldest is retired), whatever the
+        depth of the model. The default, 1, is FSDP2's: the previous reduction is waited for (on
+        CUDA: by the stream, not the host) when the next gradient is ready, which still leaves
+        each reduction the next unit's backward to hide behind."""
         g = g if g.dtype == self.reduce_dtype else g.to(self.reduce_dtype)
         gbytes = g.numel() * g.element_size()
         self.acct.alloc("unsharded_grads", gbytes)
+        # Retire before issuing: the oldest gradients (and their outputs) go before this one's
+        # output is allocated, as FSDP2 frees the previous reduce-scatter's buffers.
+        while len(self._pending) >= self.max_in_flight:
+            self._retire(self._pending.popleft())
         flat, m = u.flats[i], self.mesh
         across = None
         if m.shard_size > 1:
@@ -81,8 +88,6 @@ class Reducer:
                 else None
             )
         self._pending.append(_Reduction(flat, u.name, out, h, across, gbytes))
-        while len(self._pending) > self.max_in_flight:
-            self._retire(self._pending.popleft())
 
     def finish(self) -> None:
         """End of backward: retire every reduction, wait for the all-reduces across replicas,

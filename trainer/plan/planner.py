@@ -69,8 +69,14 @@ class MemoryPlan:
     device_memory_bytes: int
 
     @property
-    def persistent(self) -> int:
+    def model_state(self) -> int:
+        """Parameter, gradient and optimizer shards: the ZeRO papers' model state."""
         return self.sharded_params + self.sharded_grads + self.optim_state
+
+    @property
+    def persistent(self) -> int:
+        """What stays between steps: the gradient shards are freed by zero_grad (set_to_none)."""
+        return self.sharded_params + self.optim_state
 
     @property
     def peak_phase(self) -> Phase:

@@ -21,7 +21,7 @@ def format_plan(p: "MemoryPlan") -> str:
 
     rows = [
         ("sharded parameters (fp32)", p.sharded_params, p.sharded_params),
-        ("sharded gradients (fp32)", p.sharded_grads, p.sharded_grads),
+        ("sharded gradients (fp32)", peak.sharded_grads, tl.max_of("sharded_grads")),
         ("optimizer state (AdamW, fp32)", p.optim_state, p.optim_state),
         (
             f"gathered parameters ({p.param_dtype})",

@@ -2,8 +2,9 @@
 
 Per phase: activations (measured, trainer/plan/activations.py, composed over n blocks), gathered
 parameters, unsharded gradients and communication buffers (from the engine's schedule, with the
-exact unit sizes of trainer/plan/layout.py). The persistent state (parameter, gradient and
-optimizer shards) is alive in every phase. The step's peak is the largest phase.
+exact unit sizes of trainer/plan/layout.py). The persistent state (parameter and optimizer
+shards) is alive in every phase; the fp32 gradient shards are freed by zero_grad at the end of a
+step and come back at each unit's first reduction. The step's peak is the largest phase.
 
 The engine's schedule, as trainer/fsdp/engine.py runs it (steady state: both orders known). The
 units in forward order are the embedding, the blocks and the head (final norm + output
@@ -17,7 +18,9 @@ norm, gathered the whole step). k = sharding.max_gathers_in_flight.
   all-gather input, when cast to the compute dtype, lives until the gather waits.
 - unsharded gradients: when a unit's flat gradient is complete it is cast to reduce_dtype and
   handed to an asynchronous reduce-scatter (all-reduce for NO_SHARD), the head's first; the
-  oldest is retired (its input freed) once more than max_reductions_in_flight are pending.
+  oldest is retired (its input freed) before the next is issued once max_reductions_in_flight
+  are pending (so at a hand-off bound + 1 gradients are alive, counted here with bound + 1
+  outputs: one more than the engine allocates, on the safe side).
   The reduce-scatter outputs (one shard per unit) are the communication buffers.
 - micro-batches: with train.micro_batches > 1 the earlier micro-batches keep every unit's
   unsharded gradient in reduce_dtype (no_sync), so the last micro-batch runs with all of them;
@@ -46,6 +49,7 @@ class Phase:
     gathered_params: int = 0
     unsharded_grads: int = 0
     comm_buffers: int = 0
+    sharded_grads: int = 0  # fp32 gradient shards: allocated at each unit's first reduction
 
     @property
     def transient(self) -> int:
@@ -55,6 +59,7 @@ class Phase:
             + self.gathered_params
             + self.unsharded_grads
             + self.comm_buffers
+            + self.sharded_grads
         )
 
 
@@ -82,7 +87,7 @@ class StepTimeline:
 def step_timeline(
     lay: Layout, sharding: ShardingConfig, acts: ActivationProfile, micro_batches: int
 ) -> StepTimeline:
-    persistent = lay.sharded_params + lay.sharded_grads + lay.optim_state
+    persistent = lay.sharded_params + lay.optim_state
     gathered = _Gathered(lay, sharding)
     grads = _Grads(lay, sharding, micro_batches)
     blocks = [i for i, u in enumerate(lay.units) if u.kind == "block"]  # forward positions
@@ -97,6 +102,7 @@ def step_timeline(
             gathered_params=gathered.forward(blocks[-1]),
             unsharded_grads=grads.before_backward(),
             comm_buffers=casts,
+            sharded_grads=grads.shards_before_backward(),
         ),
         Phase(
             "loss and head backward",
@@ -105,10 +111,11 @@ def step_timeline(
             gathered_params=gathered.backward(head_at),
             unsharded_grads=grads.before_backward(),
             comm_buffers=casts,
+            sharded_grads=grads.shards_before_backward(),
         ),
     ]
     for j in reversed(range(n)):
-        unsharded, outputs = grads.handed_off_through(blocks[j])
+        unsharded, outputs, shards = grads.handed_off_through(blocks[j])
         phases.append(
             Phase(
                 f"backward of block {j}",
@@ -117,9 +124,10 @@ def step_timeline(
                 gathered_params=gathered.backward(blocks[j]),
                 unsharded_grads=unsharded,
                 comm_buffers=outputs + casts,
+                sharded_grads=shards,
             )
         )
-    unsharded, outputs = grads.handed_off_through(0 if embedding is None else embedding)
+    unsharded, outputs, shards = grads.handed_off_through(0 if embedding is None else embedding)
     phases.append(
         Phase(
             "embedding backward",
@@ -129,18 +137,20 @@ def step_timeline(
             else gathered.root,
             unsharded_grads=unsharded,
             comm_buffers=outputs,
+            sharded_grads=shards,
         )
     )
-    unsharded, outputs = grads.all_handed_off()
+    unsharded, outputs, shards = grads.all_handed_off()
     phases.append(
         Phase(
             "end of backward",
             gathered_params=gathered.root,
             unsharded_grads=unsharded,
             comm_buffers=outputs,
+            sharded_grads=shards,
         )
     )
-    phases.append(Phase("optimizer step"))
+    phases.append(Phase("optimizer step", sharded_grads=lay.sharded_grads))
     return StepTimeline(persistent, tuple(phases), grads.hand_off_peak())
 
 
@@ -200,25 +210,39 @@ class _Grads:
         units[-1] = lay.root
         self.unsharded = {i: grad(u) for i, u in units.items()}
         self.outputs = {i: out(u) for i, u in units.items()}
+        # fp32 gradient shards (none on the device when offloaded: lay.sharded_grads is 0)
+        shard = 4 * bool(lay.sharded_grads)
+        self.shards = {
+            i: shard * sum(s for s, t in zip(u.shard, u.trainable) if t) for i, u in units.items()
+        }
+        self.total_shards = lay.sharded_grads
         # backward order of the units with a gradient: reversed forward, the root last
         self.order = [i for i in [*range(len(lay.units) - 1, -1, -1), -1] if self.unsharded[i]]
         kept = micro_batches > 1 and not sharding.sharded_grad_accumulation
         self.accumulated = sum(self.unsharded.values()) if kept else 0
         self.cast = sharding.reduce_dtype != sharding.param_dtype
         self.bound = sharding.max_reductions_in_flight
+        # sharded accumulation: earlier micro-batches already reduced into every gradient shard
+        self.shards_kept = micro_batches > 1 and sharding.sharded_grad_accumulation
 
     def before_backward(self) -> int:
         return self.accumulated
 
-    def _alive(self, handed_off: list[int], current: Optional[int]) -> tuple[int, int]:
+    def shards_before_backward(self) -> int:
+        """zero_grad freed the gradient shards; they return at each unit's first reduction."""
+        return self.total_shards if self.shards_kept else 0
+
+    def _alive(self, handed_off: list[int], current: Optional[int]) -> tuple[int, int, int]:
         """handed_off: units handed to the reduction so far, in hand-off order; current: the unit
         finishing now. The engine retires the oldest once more than `bound` are pending, so the
-        newest bound + 1 (the one being issued) are alive."""
-        handed_off = handed_off[-(self.bound + 1) :]
-        grads = sum(self.unsharded[i] for i in handed_off if i != current or self.cast)
-        return max(self.accumulated, grads), sum(self.outputs[i] for i in handed_off)
+        newest bound + 1 (the one being issued) are alive; the retired ones are in their fp32
+        gradient shards (an fp32 reduce-scatter output becomes the shard)."""
+        pending, retired = handed_off[-(self.bound + 1) :], handed_off[: -(self.bound + 1)]
+        grads = sum(self.unsharded[i] for i in pending if i != current or self.cast)
+        shards = self.total_shards if self.shards_kept else sum(self.shards[i] for i in retired)
+        return max(self.accumulated, grads), sum(self.outputs[i] for i in pending), shards
 
-    def handed_off_through(self, i: int) -> tuple[int, int]:
+    def handed_off_through(self, i: int) -> tuple[int, int, int]:
         """Backward of unit i (forward position): it and every unit after it handed off."""
         upto = [u for u in self.order if u >= i]
         return self._alive(upto, current=i)
@@ -231,5 +255,5 @@ class _Grads:
         ]
         return max([self.accumulated, *alive])
 
-    def all_handed_off(self) -> tuple[int, int]:
+    def all_handed_off(self) -> tuple[int, int, int]:
         return self._alive(self.order, current=None)
