@@ -265,6 +265,9 @@ class Checkpointer:
         self.last_committed: Optional[str] = None
         self._in_flight: Optional[int] = None  # the step being saved, until reported
         self._saved_step: Optional[int] = None
+        self.before_save: Optional[Callable[[int], None]] = None
+        """Called with the step on every rank before each save; raises to refuse it (the loop's
+        check that the state is finite)."""
 
     # ---- saving ------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
@@ -276,6 +279,8 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         """Start an asynchronous save of `step`; the previous one is waited for and reported."""
+        if self.before_save is not None:
+            self.before_save(step)
         self._report()
         state = TrainerState.of(
             self.cfg,
@@ -299,6 +304,18 @@ class Checkpointer:
         self._report()
         self.writer.close()
         return self.last_committed
+
+    def abandon(self) -> None:
+        """Stop without saving: the save in flight (started before anything went wrong) is
+        waited for and reported, then the writer stops. Safe after a partial close()."""
+        try:
+            self._report()
+        finally:
+            self.writer.close()
+
+    def last_good_step(self) -> int:
+        """The newest step saved (or being saved) by this run, else the step it resumed at."""
+        return self._saved_step if self._saved_step is not None else self.start_step
 
     def _report(self) -> None:
         """Wait for the save in flight (re-raising its failure) and report it as committed."""

@@ -100,6 +100,12 @@ class ModelConfig:
                 self.rope_high_freq_factor,
                 f"more than model.rope_low_freq_factor={self.rope_low_freq_factor}",
             )
+        for key in ("norm_eps", "rope_theta", "init_std", "rope_factor"):
+            if not _positive(getattr(self, key)):
+                fail(f"model.{key}", getattr(self, key), "a finite positive number")
+        for key in ("rope_low_freq_factor", "rope_high_freq_factor"):
+            if not _positive(getattr(self, key)):
+                fail(f"model.{key}", getattr(self, key), "a finite positive number")
         if self.name == "hf" and self.hf_path == "":  # model=hf without model.hf_path
             fail(
                 "model.hf_path",
@@ -189,19 +195,32 @@ class OptimConfig:
     """Global gradient-norm clip; 0 disables clipping (the norm is still computed)."""
 
     def validate(self) -> None:
-        if not self.lr > 0:
-            fail("optim.lr", self.lr, "a positive number")
-        if not 0 <= self.min_lr_ratio <= 1:
+        """Every number finite: a NaN passes any `x < 0` check, and an infinite or NaN learning
+        rate, decay or clip turns the first update into NaN parameters."""
+        if not _positive(self.lr):
+            fail("optim.lr", self.lr, "a finite positive number")
+        if not _finite(self.min_lr_ratio) or not 0 <= self.min_lr_ratio <= 1:
             fail("optim.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
-        if self.warmup_steps < 0:
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             fail("optim.warmup_steps", self.warmup_steps, "an integer >= 0")
-        if self.weight_decay < 0:
-            fail("optim.weight_decay", self.weight_decay, "a number >= 0")
+        if not _finite(self.weight_decay) or self.weight_decay < 0:
+            fail("optim.weight_decay", self.weight_decay, "a finite number >= 0")
         for key in ("beta1", "beta2"):
-            if not 0 <= getattr(self, key) < 1:
-                fail(f"optim.{key}", getattr(self, key), "a number in [0, 1)")
-        if self.grad_clip < 0:
-            fail("optim.grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
+            v = getattr(self, key)
+            if not _finite(v) or not 0 <= v < 1:
+                fail(f"optim.{key}", v, "a number in [0, 1)")
+        if not _positive(self.eps):
+            fail("optim.eps", self.eps, "a finite positive number (AdamW divides by it)")
+        if not _finite(self.grad_clip) or self.grad_clip < 0:
+            fail("optim.grad_clip", self.grad_clip, "a finite number >= 0 (0 disables clipping)")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x) -> bool:
+    return _finite(x) and x > 0
 
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
@@ -277,7 +296,7 @@ class DataConfig:
             fail("data.seq_len", self.seq_len, "a positive integer")
         if self.max_bytes < 0:
             fail("data.max_bytes", self.max_bytes, "an integer >= 0 (0 = no cap)")
-        if not 0 <= self.eval_fraction < 1:
+        if not _finite(self.eval_fraction) or not 0 <= self.eval_fraction < 1:
             fail("data.eval_fraction", self.eval_fraction, "a number in [0, 1)")
         if self.eval_sequences <= 0:
             fail("data.eval_sequences", self.eval_sequences, "a positive integer")
@@ -323,9 +342,13 @@ class TrainConfig:
     the end (0 = never; needs data.eval_fraction > 0)."""
     device: str = "auto"
     """'auto' (cuda if the worker has a GPU), 'cpu' or 'cuda'."""
+    max_bad_steps: int = 3
+    """A step whose loss or gradient norm is not finite (all ranks agree) is not applied; this
+    many in a row stop the run with an error naming the step (a checkpoint holding a non-finite
+    tensor is never written)."""
 
     def validate(self) -> None:
-        for key in ("steps", "global_batch_size", "micro_batches", "log_every"):
+        for key in ("steps", "global_batch_size", "micro_batches", "log_every", "max_bad_steps"):
             v = getattr(self, key)
             if not isinstance(v, int) or v <= 0:
                 fail(f"train.{key}", v, "a positive integer")

@@ -12,7 +12,11 @@ close (the last save committed and reported). The invariants that make it elasti
 - the global batch is constant: rank r takes its share of step s's samples, the loss of every
   micro-batch is a token-loss SUM divided by the GLOBAL token count, gradients are summed;
 - the data position is the step: step s consumes global samples [s*B, (s+1)*B);
-- the checkpoint stores the step and named element ranges, so any world size resumes from it.
+- the checkpoint stores the step and named element ranges, so any world size resumes from it;
+- nothing non-finite is applied or saved: a step whose loss or gradient norm is not finite is
+  skipped on every rank, train.max_bad_steps of them in a row (or non-finite parameters or
+  optimizer state found before a save) stop the run with DivergenceError, and the checkpoints
+  already committed stay the last good state.
 """
 
 from __future__ import annotations
@@ -93,6 +97,13 @@ class TrainResult:
     samples: list = field(default_factory=list)
     """(step, source, sample id) trained by this rank, when WorkerContext.record_samples."""
     eval_losses: list = field(default_factory=list)  # (step, eval loss)
+    bad_steps: list = field(default_factory=list)  # steps skipped: non-finite loss or grad norm
+
+
+class DivergenceError(RuntimeError):
+    """The run diverged: train.max_bad_steps steps in a row had a non-finite loss or gradient
+    norm, or the parameters or optimizer state are non-finite. Restarting from the last
+    checkpoint with the same configuration would repeat it, so it is not a failure to retry."""
 
 
 class Trainer:
@@ -153,7 +164,8 @@ class Trainer:
         self.step = 0
         self.loader: Optional[Loader] = None
         self.result = TrainResult(0, float("nan"))
-        self._unread: list[tuple[int, torch.Tensor]] = []  # (step, loss) not read back yet
+        self._unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, bad)
+        self._bad_streak = 0  # non-finite steps in a row, as read back
         self._since = (time.perf_counter(), 0)  # (time, step) of the last logged step
 
     def load_hf_weights(self) -> None:
@@ -190,28 +202,35 @@ class Trainer:
             self.load_hf_weights()
         self.loader = self.make_loader()
         self._since = (time.perf_counter(), self.step)  # the clock of the next logged step
+        self.checkpointer.before_save = self.check_finite_state
         try:
-            while self.step < self.cfg.train.steps:
-                if self.stop_requested():
-                    self.print0(
-                        f"stop requested at step {self.step}: saving a checkpoint before leaving"
-                    )
-                    break
-                if self.ctx.before_step is not None:
-                    self.ctx.before_step(self.step)
-                loss, norm = self.train_step()
-                self._unread.append((self.step - 1, loss))
-                if self.is_log_step():
-                    seconds = self.step_seconds()  # before evaluating: eval is not a train step
-                    self.log_step(norm, seconds, self.maybe_evaluate())
-                    self._since = (time.perf_counter(), self.step)
-                self.checkpointer.after_step(self.step)
+            self._train()
+            self.read_losses()
+            r.last_checkpoint = self.checkpointer.close(self.step)
+        except DivergenceError:
+            self.checkpointer.abandon()  # the save in flight (a finite state) commits; no more
+            raise
         finally:
             self.loader.close()
-        self.read_losses()
-        r.last_checkpoint = self.checkpointer.close(self.step)
         r.steps_done, r.resumed_from = self.step, self.checkpointer.resumed_from
         return r
+
+    def _train(self) -> None:
+        while self.step < self.cfg.train.steps:
+            if self.stop_requested():
+                self.print0(
+                    f"stop requested at step {self.step}: saving a checkpoint before leaving"
+                )
+                break
+            if self.ctx.before_step is not None:
+                self.ctx.before_step(self.step)
+            loss, norm, bad = self.train_step()
+            self._unread.append((self.step - 1, loss, bad))
+            if self.is_log_step():
+                seconds = self.step_seconds()  # before evaluating: eval is not a train step
+                self.log_step(norm, seconds, self.maybe_evaluate())
+                self._since = (time.perf_counter(), self.step)
+            self.checkpointer.after_step(self.step)
 
     def make_loader(self) -> Loader:
         """This rank's micro-batches from the current step on, prepared ahead in a background
@@ -228,11 +247,12 @@ class Trainer:
         )
 
     # ---- one step ----------------------------------------------------------------------------
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward/backward over this rank's micro-batches, clip, optimizer step. Returns (mean
-        token loss, grad norm) as device scalars: nothing in the step waits for the device
+        token loss, grad norm, bad) as device scalars: nothing in the step waits for the device
         (batches come from pinned memory with non_blocking copies; only an fp16 overflow check
-        reads a flag back). They are read on logging steps."""
+        reads a flag back). They are read on logging steps. `bad`: the loss or the norm is not
+        finite (both are global, so every rank agrees) and the update was not applied."""
         n_micro = self.cfg.train.micro_batches
         set_lr(self.optimizer, lr_at(self.cfg.optim, self.cfg.train.steps, self.step))
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -249,14 +269,27 @@ class Trainer:
             loss_total += s.detach()
         found_inf = self.scaler.unscale_and_check(self.model.grad_shards(), self.world, self.device)
         norm = self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
-        if not found_inf:  # fp16 overflow on any rank: every rank skips this step
-            self.optimizer.step()
-        self.scaler.update(found_inf)
-        self.model.zero_grad()
         if self.world > 1:
             dist.all_reduce(loss_total)
+        bad = ~(torch.isfinite(loss_total) & torch.isfinite(norm))
+        if found_inf:  # fp16 overflow on any rank: every rank skips this step, the scale drops
+            bad = torch.zeros_like(bad)  # the scaler's business, not a divergence
+        else:
+            self.guarded_optimizer_step(bad)
+        self.scaler.update(found_inf)
+        self.model.zero_grad()
         self.step += 1
-        return loss_total / self.global_tokens, norm
+        return loss_total / self.global_tokens, norm, bad
+
+    def guarded_optimizer_step(self, bad: torch.Tensor) -> None:
+        """AdamW's step unless `bad`. The fused (CUDA) AdamW takes the flag as its found_inf and
+        skips on the device, step count included, so the host never waits; otherwise the flag is
+        read here (free on a CPU; with the optimizer offloaded the host steps anyway)."""
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = bad.to(torch.float32)
+            self.optimizer.step()
+        elif not bool(bad):
+            self.optimizer.step()
 
     def eval_due(self) -> bool:
         every = self.cfg.train.eval_every
@@ -288,13 +321,66 @@ class Trainer:
         return bool(flag.item())
 
     def read_losses(self) -> float:
-        """Bring the losses of the steps since the last read to the host (one device sync)."""
-        values = torch.stack([t for _, t in self._unread]).tolist() if self._unread else []
-        for (step, _), value in zip(self._unread, values):
+        """Bring the losses and bad-step flags of the steps since the last read to the host (one
+        device sync); raise DivergenceError at train.max_bad_steps bad steps in a row (every
+        rank reads the same flags at the same steps, so all raise together)."""
+        unread, self._unread = self._unread, []
+        if not unread:
+            return self.result.final_loss
+        values = torch.stack([t.float() for _, t, _ in unread]).tolist()
+        flags = torch.stack([b for _, _, b in unread]).tolist()
+        limit = self.cfg.train.max_bad_steps
+        for (step, _, _), value, bad in zip(unread, values, flags):
             self.result.losses.append((step, value))
             self.result.final_loss = value
-        self._unread = []
+            if not bad:
+                self._bad_streak = 0
+                continue
+            self._bad_streak += 1
+            self.result.bad_steps.append(step)
+            self.print0(
+                f"step {step}: loss {value} or its gradient norm is not finite: update not "
+                f"applied ({self._bad_streak} of train.max_bad_steps={limit} in a row)"
+            )
+            if self._bad_streak >= limit:
+                raise DivergenceError(
+                    f"training diverged: {limit} steps in a row ({step - limit + 1} to {step}) "
+                    f"had a non-finite loss or gradient norm (last loss {value}); none was "
+                    f"applied and nothing after step {self.checkpointer.last_good_step()} was "
+                    "saved. Lower optim.lr, raise optim.warmup_steps or check the data, then "
+                    "resume (the newest checkpoint is the last good state)"
+                )
         return self.result.final_loss
+
+    def check_finite_state(self, step: int) -> None:
+        """Before saving `step`: the bad-step flags are read (a streak raises), and the
+        parameters and optimizer state must be finite on every rank, else DivergenceError and
+        nothing is saved. min/max reductions (a NaN propagates, an inf is an extreme): no
+        temporary the size of a tensor."""
+        self.read_losses()
+        tensors = [f.shard for f in self.model.flats()]
+        tensors += [
+            v
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.is_floating_point() and v.numel() > 1
+        ]
+        ok = torch.ones((), dtype=torch.float32, device=self.device)
+        for t in tensors:
+            if t.numel():
+                lo, hi = torch.aminmax(t.detach())
+                ok = ok * (torch.isfinite(lo) & torch.isfinite(hi)).to(ok.device, torch.float32)
+        if self.world > 1:
+            flag = ok.cpu()
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
+            ok = flag
+        if not bool(ok):
+            raise DivergenceError(
+                f"not saving step {step}: the parameters or optimizer state are not finite on "
+                f"at least one rank (the last update overflowed, though its loss and gradient "
+                f"norm were finite). Nothing after step {self.checkpointer.last_good_step()} was "
+                "saved; lower optim.lr or raise optim.warmup_steps, then resume"
+            )
 
     def is_log_step(self) -> bool:
         """Every train.log_every steps, the last step and every evaluation step."""
@@ -329,6 +415,7 @@ class Trainer:
             param_dtype=self.cfg.sharding.param_dtype,
         )
         m.update(self.model.metrics(self.optimizer))
+        m["train/bad_steps"] = float(len(self.result.bad_steps))  # skipped, non-finite, so far
         evaluated = ""
         if eval_loss is not None:
             m["eval/loss"], m["eval/perplexity"] = eval_loss, math.exp(min(eval_loss, 80.0))
