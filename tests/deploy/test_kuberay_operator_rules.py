@@ -14,7 +14,6 @@ import shlex
 from urllib.parse import urlparse
 
 from deploy_helpers import (
-    container_env,
     logical_lines,
     overrides,
     quantity,
@@ -24,6 +23,8 @@ from deploy_helpers import (
 
 GPU = "nvidia.com/gpu"
 MIN_SHM_BYTES = 1 << 30  # NCCL and the object store need far more than Docker's 64 MiB default
+# Bucket scheme -> the ServiceAccount annotation that gives a pod short-lived credentials for it.
+WORKLOAD_IDENTITY = {"s3": "eks.amazonaws.com/role-arn", "gs": "iam.gke.io/gcp-service-account"}
 
 
 def _group_problems(where: str, group: dict) -> list[str]:
@@ -210,12 +211,14 @@ def test_every_project_container_runs_one_image_tagged_with_the_project_version(
     import tomllib
 
     version = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["version"]
-    assert project_image.endswith(f":{version}"), (
-        f"image {project_image} should be tagged {version}"
-    )
-    name = project_image.rsplit(":", 1)[0]
+    tagged = project_image.partition("@")[0]  # the digest pins it; the tag says which release
+    assert tagged.endswith(f":{version}"), f"image {project_image} should be tagged {version}"
+    name = tagged.rsplit(":", 1)[0]
     for obj, c in _all_containers(kube_objects):
-        if c["image"].rsplit(":", 1)[0] == name or obj["kind"] in ("RayCluster", "RayJob"):
+        if c["image"].partition("@")[0].rsplit(":", 1)[0] == name or obj["kind"] in (
+            "RayCluster",
+            "RayJob",
+        ):
             assert c["image"] == project_image, (
                 f"{obj['kind']} {obj['metadata']['name']}/{c['name']}: {c['image']}"
             )
@@ -231,18 +234,26 @@ def test_all_objects_live_in_the_shipped_namespace(kube_objects, find_object):
 
 
 def _storage_problems(where: str, storage: str, spec: dict, find_object) -> list[str]:
-    """Every Ray pod must reach the checkpoint storage: S3 credentials or the same shared volume."""
+    """Every Ray pod must reach the checkpoint storage: a bucket through the workload identity of
+    its ServiceAccount, or the same shared volume."""
     templates = {"head": spec["headGroupSpec"]["template"]}
     templates.update({g["groupName"]: g["template"] for g in spec["workerGroupSpecs"]})
     problems = []
     scheme = urlparse(storage).scheme
     for pod, template in templates.items():
         container = ray_container(template)
-        if scheme == "s3":
-            env = container_env(container)
-            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-                if "secretKeyRef" not in env.get(key, {}).get("valueFrom", {}):
-                    problems.append(f"{where} {pod}: {key} must come from a Secret for {storage}")
+        if scheme in WORKLOAD_IDENTITY:
+            account = template["spec"].get("serviceAccountName")
+            annotations = (
+                find_object("ServiceAccount", account)["metadata"].get("annotations", {})
+                if account
+                else {}
+            )
+            if WORKLOAD_IDENTITY[scheme] not in annotations:
+                problems.append(
+                    f"{where} {pod}: reaches {storage} only through a ServiceAccount annotated "
+                    f"{WORKLOAD_IDENTITY[scheme]}, has {account!r}"
+                )
         elif scheme == "":
             claims = {
                 v["name"]: v["persistentVolumeClaim"]["claimName"]
@@ -261,7 +272,7 @@ def _storage_problems(where: str, storage: str, spec: dict, find_object) -> list
                 pvc = find_object("PersistentVolumeClaim", claims[m["name"]])
                 if "ReadWriteMany" not in pvc["spec"]["accessModes"]:
                     problems.append(f"{where} {pod}: {claims[m['name']]} must be ReadWriteMany")
-        elif scheme != "gs":
+        else:
             problems.append(f"{where}: storage {storage!r} is not a path, s3:// or gs:// URI")
     return problems
 

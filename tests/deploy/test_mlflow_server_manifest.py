@@ -2,11 +2,13 @@
 
 MLflow 3 rejects a request whose Host header is not in --allowed-hosts. The jobs address the
 server by its Service's in-cluster DNS name, so that name (with the port) must be on the list;
-the last test starts the real server with the manifest's own arguments and asks it.
+the last tests start the real server with the manifest's own arguments and ask it, once for the
+Host check and once (where Flask-WTF, mlflow[auth], is installed) for basic authentication.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import socket
@@ -15,8 +17,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
+import pytest
 from deploy_helpers import container_env, ray_container
 
 SERVICE_DNS_FORMS = ("{name}", "{name}.{ns}", "{name}.{ns}.svc", "{name}.{ns}.svc.cluster.local")
@@ -109,18 +113,20 @@ def test_jobs_log_to_the_service_under_an_allowed_host(
 
 
 def test_server_has_a_database_backend_and_a_served_artifact_store(find_object):
+    """The backend store URI comes from the environment mlflow reads (MLFLOW_BACKEND_STORE_URI)
+    and holds no login: libpq takes it from PGUSER/PGPASSWORD, each read from the Secret."""
     container = mlflow_container(find_object)
     args = server_args(container)
-    backend = urlparse(args["--backend-store-uri"])
+    assert "--backend-store-uri" not in args, "the store URI belongs in the env, not in argv"
+    env = container_env(container)
+    backend = urlparse(env["MLFLOW_BACKEND_STORE_URI"]["value"])
     assert backend.scheme.startswith(("postgresql", "mysql")), (
         f"backend {backend.scheme}: use a database server"
     )
     assert backend.hostname == "mlflow-postgres", "backend host should be the PostgreSQL Service"
-    env = container_env(container)
-    for var in ("MLFLOW_DB_USER", "MLFLOW_DB_PASSWORD"):
-        assert (
-            f"$({var})" in args["--backend-store-uri"] and "secretKeyRef" in env[var]["valueFrom"]
-        )
+    assert backend.username is None and backend.password is None, "no login in the URI"
+    for var in ("PGUSER", "PGPASSWORD"):
+        assert env[var]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-db", var
     assert "--serve-artifacts" in args
     destination = args["--artifacts-destination"]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -142,9 +148,12 @@ def test_mlflow_cli_accepts_the_manifest_arguments(find_object):
     from mlflow.cli import server
 
     container = mlflow_container(find_object)
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     ctx = server.make_context("server", list(container["args"]))
     assert ctx.params["serve_artifacts"] is True
     assert ctx.params["port"] == 5000
+    assert ctx.params["app_name"] == "basic-auth"
+    assert env["MLFLOW_BACKEND_STORE_URI"].startswith("postgresql://")
 
 
 def _free_port() -> int:
@@ -153,8 +162,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str, host: str) -> int:
-    req = urllib.request.Request(url, headers={"Host": host})
+def _get(url: str, host: str, auth: tuple[str, str] | None = None) -> int:
+    headers = {"Host": host}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
+    req = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status
@@ -162,33 +174,15 @@ def _get(url: str, host: str) -> int:
         return e.code
 
 
-def test_real_server_with_manifest_arguments_answers_the_service_name(find_object, tmp_path):
-    """`mlflow server` with the manifest's arguments (database and artifact paths swapped for local
-    ones) answers the in-cluster Service name and refuses an unknown host; /health answers any
-    host, so the kubelet's probes by pod IP pass."""
-    args = server_args(mlflow_container(find_object))
-    args.update(
-        {
-            "--backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db",
-            "--artifacts-destination": str(tmp_path / "artifacts"),
-            "--host": "127.0.0.1",
-            "--port": str(_free_port()),
-            "--workers": "1",
-        }
-    )
+@contextmanager
+def _serve(args: dict[str, str], tmp_path, env: dict[str, str]):
+    """`mlflow server` with these arguments in its own session; yields its base URL once /health
+    answers, and stops the whole group (uvicorn runs as a child) afterwards."""
     cmd = [sys.executable, "-m", "mlflow", "server"] + [
         f"{k}={v}" if v else k for k, v in args.items()
     ]
-    service = find_object("Service", "mlflow")
-    in_cluster = (
-        f"mlflow.{service['metadata']['namespace']}.svc.cluster.local:"
-        f"{service['spec']['ports'][0]['port']}"
-    )
     base = f"http://127.0.0.1:{args['--port']}"
-    # The GenAI job runner is beside the point here and doubles start-up and shutdown time.
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     log = open(tmp_path / "server.log", "w")
-    # Own session: `mlflow server` runs uvicorn as a child; stopping the group leaves no orphan.
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True
     )
@@ -203,14 +197,77 @@ def test_real_server_with_manifest_arguments_answers_the_service_name(find_objec
                 pass
             assert time.monotonic() < deadline, "mlflow server did not come up in 60 s"
             time.sleep(0.2)
-        api = f"{base}/api/2.0/mlflow/experiments/search?max_results=1"
-        assert _get(api, in_cluster) == 200
-        assert _get(api, "evil.example.com") == 403
+        yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:  # else it already exited, and the assertion above says why
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         log.close()
+
+
+def _local_args(find_object, tmp_path) -> dict[str, str]:
+    """The manifest's arguments with the database and artifact paths swapped for local ones."""
+    args = server_args(mlflow_container(find_object))
+    args.update(
+        {
+            "--backend-store-uri": f"sqlite:///{tmp_path}/mlflow.db",
+            "--artifacts-destination": str(tmp_path / "artifacts"),
+            "--host": "127.0.0.1",
+            "--port": str(_free_port()),
+            "--workers": "1",
+        }
+    )
+    return args
+
+
+def _in_cluster_host(find_object) -> str:
+    service = find_object("Service", "mlflow")
+    return (
+        f"mlflow.{service['metadata']['namespace']}.svc.cluster.local:"
+        f"{service['spec']['ports'][0]['port']}"
+    )
+
+
+# The GenAI job runner is beside the point here and doubles start-up and shutdown time.
+SERVER_ENV = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+API = "/api/2.0/mlflow/experiments/search?max_results=1"
+
+
+def test_real_server_with_manifest_arguments_answers_the_service_name(find_object, tmp_path):
+    """`mlflow server` with the manifest's arguments answers the in-cluster Service name and
+    refuses an unknown host; /health answers any host, so the kubelet's probes by pod IP pass.
+    The auth app is left out here (the next test runs it): this checks the Host rule alone."""
+    args = _local_args(find_object, tmp_path)
+    assert args.pop("--app-name") == "basic-auth"
+    with _serve(args, tmp_path, SERVER_ENV) as base:
+        assert _get(base + API, _in_cluster_host(find_object)) == 200
+        assert _get(base + API, "evil.example.com") == 403
+
+
+def test_real_server_with_basic_auth_refuses_anonymous_and_admits_the_admin(find_object, tmp_path):
+    """The manifest's arguments, auth app included, with a basic_auth.ini like the README's (a
+    local user store): no credentials -> 401, the admin -> 200, an unknown host still -> 403."""
+    pytest.importorskip("flask_wtf", reason="mlflow[auth] (Flask-WTF) is not installed")
+    password = "correct-horse-battery-staple"
+    ini = tmp_path / "basic_auth.ini"
+    ini.write_text(
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{tmp_path}/basic_auth.db\n"
+        "admin_username = admin\n"
+        f"admin_password = {password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    env = dict(
+        SERVER_ENV, MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_FLASK_SERVER_SECRET_KEY="x" * 32
+    )
+    host = _in_cluster_host(find_object)
+    with _serve(_local_args(find_object, tmp_path), tmp_path, env) as base:
+        assert _get(base + API, host) == 401
+        assert _get(base + API, host, auth=("admin", "wrong")) == 401
+        assert _get(base + API, host, auth=("admin", password)) == 200
+        assert _get(base + API, "evil.example.com", auth=("admin", password)) == 403
