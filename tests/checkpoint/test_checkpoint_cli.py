@@ -52,14 +52,16 @@ def test_inspect_and_verify_report_a_sound_then_a_corrupt_checkpoint(tmp_path, t
         "valid:       yes",
     ):
         assert line in out, out
-    rc, out, _ = _main(capsys, "verify", p20)
+    rc, out, _ = _main(capsys, "verify", p20)  # the sample's deliberate NaN, Inf and -Inf
+    assert rc == 1 and "'model/layers.0.attention.wq.weight' (float32): 3 non-finite" in out
+    rc, out, _ = _main(capsys, "verify", "--allow-nonfinite", p20)
     assert rc == 0 and "OK" in out
 
     shard = f"{p20}/rank-00002-of-00003.bin"
     data = bytearray(open(shard, "rb").read())
     data[-1] ^= 0xFF
     open(shard, "wb").write(bytes(data))
-    bad = _cli("verify", p20)  # the real command: its exit code is what scripts see
+    bad = _cli("verify", "--allow-nonfinite", p20)  # the real command: scripts see its rc
     assert bad.returncode == 1
     assert (
         "1 problem(s)" in bad.stdout and "rank-00002-of-00003.bin: checksum mismatch" in bad.stdout

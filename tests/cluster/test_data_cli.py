@@ -101,6 +101,7 @@ def test_resuming_on_changed_data_fails_before_anything_starts_and_says_what_to_
     state = {
         "step": 3,
         "global_batch_size": 8,
+        "optim_step": 3.0,
         "model_digest": model_digest(model),
         "model_config": {},
         "data": {"digest": "f" * 64, "seq_len": 32, "seed": 0, "weights": [1.0]},

@@ -2,12 +2,14 @@
 
     python -m trainer.checkpoint inspect runs/checkpoints                 # every step, valid or not
     python -m trainer.checkpoint inspect runs/checkpoints/step_000000060  # one checkpoint
-    python -m trainer.checkpoint verify  s3://bucket/run/step_000000060   # checksums; rc 1 if bad
+    python -m trainer.checkpoint verify  s3://bucket/run/step_000000060   # + NaN/Inf; rc 1 if bad
+    python -m trainer.checkpoint verify  --allow-nonfinite PATH           # checksums only
     python -m trainer.checkpoint export  runs/checkpoints/step_000000060 out/ [--dtype bfloat16]
     python -m trainer.checkpoint export  runs/checkpoints/step_000000060 hf/ --format hf
     python -m trainer.checkpoint import-hf /models/Llama-3.2-1B/ runs/my-run/checkpoints/
 
-Exit codes: 0 fine, 1 invalid/corrupt checkpoint, 2 usage or I/O error.
+Exit codes: 0 fine, 1 invalid/corrupt checkpoint, 2 usage or I/O error. Errors caused by the
+input are one line, `error: ...`, on stderr (no traceback).
 """
 
 from __future__ import annotations
@@ -70,10 +72,15 @@ def cmd_inspect(path: str) -> int:
             f"{'step':>10}  {'world':>5}  {'strategy':<14} {'parameters':>14}  {'bytes':>10}  valid"
         )
         for c in found:
-            if c.problem:
-                print(f"{c.step:>10}  {'-':>5}  {'-':<14} {'-':>14}  {'-':>10}  NO: {c.problem}")
+            problem = c.problem
+            if not problem:
+                try:  # it changed since the listing, or cannot be read after all
+                    s = _summary(c.path)
+                except (CheckpointError, OSError) as e:
+                    problem = str(e)
+            if problem:
+                print(f"{c.step:>10}  {'-':>5}  {'-':<14} {'-':>14}  {'-':>10}  NO: {problem}")
                 continue
-            s = _summary(c.path)
             print(
                 f"{c.step:>10}  {s['world_size']:>5}  {s['strategy']:<14} {s['parameters']:>14,}"
                 f"  {_fmt_bytes(s['bytes']):>10}  yes"
@@ -95,14 +102,15 @@ def cmd_inspect(path: str) -> int:
     return 0
 
 
-def cmd_verify(path: str) -> int:
-    problems = verify(path)
+def cmd_verify(path: str, allow_nonfinite: bool = False) -> int:
+    problems = verify(path, check_finite=not allow_nonfinite)
     if problems:
         print(f"{path}: {len(problems)} problem(s):")
         for p in problems:
             print(f"  - {p}")
         return 1
-    print(f"{path}: OK (every block checksum matches, every tensor fully covered)")
+    finite = "" if allow_nonfinite else ", no NaN/Inf"
+    print(f"{path}: OK (every block checksum matches, every tensor fully covered{finite})")
     return 0
 
 
@@ -137,7 +145,13 @@ def main(argv=None) -> int:
     sub.add_parser("inspect", help="a checkpoint, or every checkpoint under a root").add_argument(
         "path"
     )
-    sub.add_parser("verify", help="read and check every block checksum").add_argument("path")
+    ve = sub.add_parser("verify", help="read and check every block checksum, and for NaN/Inf")
+    ve.add_argument("path")
+    ve.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="do not report NaN/Inf in floating tensors (checksums and coverage only)",
+    )
     ex = sub.add_parser("export", help="consolidated model weights as safetensors + config.json")
     ex.add_argument("path")
     ex.add_argument("out", help="local output directory")
@@ -165,14 +179,14 @@ def main(argv=None) -> int:
         if args.cmd == "inspect":
             return cmd_inspect(args.path)
         if args.cmd == "verify":
-            return cmd_verify(args.path)
+            return cmd_verify(args.path, args.allow_nonfinite)
         if args.cmd == "import-hf":
             return cmd_import_hf(args.src, args.dest)
         return cmd_export(args.path, args.out, args.dtype, args.format, args.max_shard_gb)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:
+    except (OSError, ValueError) as e:  # StorageError is an OSError; a bad URI a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,8 @@
 """Which checkpoints exist and which are committed and whole: cheap checks, no checksum pass.
 
 "Committed and whole" means: manifest.json present, its own checksum and format version good,
-every shard file it lists present with the recorded size, and the chunk table's checksum good.
+every field of it of the right type and within bounds (schema.py), every shard file it lists
+present with the recorded size, and the chunk table's checksum and rows good.
 That costs one LIST of the step directory and two small reads, so resume can afford it for every
 candidate. Corruption inside a shard is caught when those bytes are read (or by `verify`).
 """
@@ -9,6 +10,7 @@ candidate. Corruption inside a shard is caught when those bytes are read (or by 
 from __future__ import annotations
 
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,7 +26,18 @@ from trainer.checkpoint.format import (
     table_from_bytes,
     table_to_rows,
 )
+from trainer.checkpoint.schema import check_manifest, check_rows
 from trainer.storage import Location
+
+
+@contextmanager
+def refuse_malformed(where: str):
+    """A safety net under the schema: anything a malformed manifest or chunk table still trips
+    over becomes the reason its checkpoint is skipped, never a crash of resume or the CLI."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, OverflowError, MemoryError, RecursionError) as e:
+        raise CheckpointError(f"{where}: malformed ({type(e).__name__}: {e})") from e
 
 
 def read_manifest(step_dir: Location, listing: Optional[dict] = None) -> dict:
@@ -38,12 +51,11 @@ def read_manifest(step_dir: Location, listing: Optional[dict] = None) -> dict:
             f"{step_dir}: not committed: no {MANIFEST} (the save was torn "
             "before rank 0 committed it, or is still in progress)"
         )
-    body = decode_manifest(storage.read_bytes(step_dir.child(MANIFEST)), f"{step_dir}/{MANIFEST}")
-    named = parse_step_dir(step_dir.name)
-    if named is not None and named != body.get("step"):
-        raise CheckpointError(
-            f"{step_dir}: manifest is for step {body.get('step')}, the directory name says {named}"
-        )
+    where = f"{step_dir}/{MANIFEST}"
+    data = storage.read_bytes(step_dir.child(MANIFEST))
+    with refuse_malformed(where):
+        body = decode_manifest(data, where)
+        check_manifest(body, where, parse_step_dir(step_dir.name))
     return body
 
 
@@ -72,18 +84,20 @@ def open_checkpoint(step_dir: Location) -> dict:
 
 
 def load_rows(step_dir: Location, body: dict) -> list[ChunkRow]:
-    """The chunk table, checked against its manifest checksum and against the shard sizes."""
+    """The chunk table, checked against its manifest checksum, and each row against the shard
+    files (schema.check_rows). `body` is a manifest read_manifest returned."""
     meta = body["chunk_table"]
     where = f"{step_dir}/{meta['name']}"
     data = storage.read_bytes(step_dir.child(meta["name"]))
     if zlib.crc32(data) != meta["crc32"]:
         raise CheckpointError(f"{where}: checksum mismatch (chunk table corrupt)")
-    table, _ = table_from_bytes(data, where)
-    rows = table_to_rows(table)
-    sizes = {f["name"]: f["size"] for f in body["files"]}
-    for r in rows:
-        if r.file not in sizes or r.offset + r.nbytes > sizes[r.file]:
-            raise CheckpointError(f"{where}: {r.describe()} lies outside the listed shard files")
+    with refuse_malformed(where):
+        table, _ = table_from_bytes(data, where)
+        try:
+            rows = table_to_rows(table)
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from e
+        check_rows(rows, body, where)
     return rows
 
 

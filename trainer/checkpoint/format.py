@@ -24,6 +24,9 @@ CHUNK_TABLE = "chunks.arrow"
 BLOCK_BYTES = 4 * 2**20
 """Default checksum block: small enough that a ranged read over-reads at most 4 MiB per chunk
 end, large enough that the per-block table entries stay negligible (8B model: ~30k blocks)."""
+MAX_BLOCK_BYTES = 2**30
+"""The largest checksum block a reader accepts beyond its chunk's own size: a block buffer is
+never larger than the chunk (whose bytes the shard file really holds) or this."""
 ALIGN = 64
 """Chunks start on 64-byte boundaries in a shard file, so any dtype can be viewed in place."""
 
@@ -169,6 +172,11 @@ class ChunkRow:
     def end(self) -> int:
         return self.start + self.numel
 
+    @property
+    def block_size(self) -> int:
+        """The largest block actually stored: block_bytes, or the whole chunk if smaller."""
+        return min(self.block_bytes, self.nbytes)
+
     def describe(self) -> str:
         return f"chunk {self.key}[{self.start}:{self.end}] (rank {self.rank}, {self.file})"
 
@@ -182,7 +190,10 @@ def table_to_rows(table: pa.Table) -> list[ChunkRow]:
     if not table.schema.equals(CHUNK_SCHEMA, check_metadata=False):
         raise CheckpointError(f"chunk table has schema {table.schema}, expected {CHUNK_SCHEMA}")
     rows = []
-    for r in table.to_pylist():
+    for i, r in enumerate(table.to_pylist()):
+        nulls = [k for k, v in r.items() if v is None or (isinstance(v, list) and None in v)]
+        if nulls:
+            raise CheckpointError(f"chunk table row {i}: null in {', '.join(nulls)}; valid: values")
         row = ChunkRow(
             key=r["key"],
             shape=tuple(r["shape"]),
@@ -201,14 +212,30 @@ def table_to_rows(table: pa.Table) -> list[ChunkRow]:
 
 
 def _check_row(row: ChunkRow) -> None:
+    if any(s < 0 for s in row.shape):
+        raise CheckpointError(f"{row.describe()}: shape {row.shape}; valid: sizes >= 0")
     total = numel_of(row.shape)
-    blocks = -(-row.nbytes // row.block_bytes) if row.block_bytes > 0 else -1
     if row.start < 0 or row.numel < 0 or row.end > total:
         raise CheckpointError(f"{row.describe()}: range outside the tensor of shape {row.shape}")
-    if row.block_bytes <= 0 or row.block_bytes % itemsize(row.dtype) or blocks != len(row.crc32):
+    if row.offset < 0:
+        raise CheckpointError(f"{row.describe()}: offset={row.offset}; valid: >= 0")
+    # The writer records its block size for every chunk, so a small chunk may carry a block
+    # larger than itself; readers size buffers by row.block_size, never by block_bytes alone.
+    if (
+        row.block_bytes <= 0
+        or row.block_bytes % itemsize(row.dtype)
+        or row.block_bytes > max(MAX_BLOCK_BYTES, row.nbytes)
+    ):
+        raise CheckpointError(
+            f"{row.describe()}: block_bytes={row.block_bytes}; valid: a positive multiple of "
+            f"{itemsize(row.dtype)} (the {dtype_name(row.dtype)} itemsize), at most "
+            f"max({MAX_BLOCK_BYTES}, the chunk's {row.nbytes} bytes)"
+        )
+    blocks = -(-row.nbytes // row.block_bytes)
+    if blocks != len(row.crc32):
         raise CheckpointError(
             f"{row.describe()}: {len(row.crc32)} block checksums for "
-            f"{row.nbytes} bytes in blocks of {row.block_bytes}"
+            f"{row.nbytes} bytes in blocks of {row.block_bytes}; valid: {blocks}"
         )
 
 
@@ -253,12 +280,16 @@ def decode_manifest(data: bytes, where: str) -> dict:
     try:
         doc = json.loads(data)
         body, crc = doc["manifest"], doc["crc32"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{where}: manifest is not valid JSON of this format ({e})") from e
     if zlib.crc32(_canonical(body)) != crc:
         raise CheckpointError(
             f"{where}: manifest checksum mismatch (the file was modified or "
             "corrupted after it was written)"
+        )
+    if not isinstance(body, dict):
+        raise CheckpointError(
+            f"{where}: manifest body is a JSON {type(body).__name__}; valid: a JSON object"
         )
     if body.get("format") != FORMAT:
         raise CheckpointError(f"{where}: format {body.get('format')!r}, expected {FORMAT!r}")

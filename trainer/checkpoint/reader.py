@@ -134,9 +134,10 @@ class CheckpointReader:
         return self._chunks[key]
 
     def _scratch(self, row: ChunkRow) -> bytearray:
-        """One reusable block-sized buffer for the edge blocks of ranged reads."""
-        if len(self._scratch_buf) < row.block_bytes:
-            self._scratch_buf = bytearray(row.block_bytes)
+        """One reusable block-sized buffer for the edge blocks of ranged reads: the largest block
+        stored (row.block_size), which the shard file really holds, never block_bytes alone."""
+        if len(self._scratch_buf) < row.block_size:
+            self._scratch_buf = bytearray(row.block_size)
         return self._scratch_buf
 
     def _open(self, row: ChunkRow) -> pafs.RandomAccessFile:

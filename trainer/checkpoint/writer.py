@@ -29,7 +29,13 @@ import torch.distributed as dist
 from trainer import storage
 from trainer.checkpoint import shard
 from trainer.checkpoint.commit import commit
-from trainer.checkpoint.format import BLOCK_BYTES, CheckpointError, TensorChunk, step_dir_name
+from trainer.checkpoint.format import (
+    BLOCK_BYTES,
+    MAX_BLOCK_BYTES,
+    CheckpointError,
+    TensorChunk,
+    step_dir_name,
+)
 from trainer.checkpoint.retention import apply_retention, normalize
 from trainer.storage import Location
 
@@ -52,9 +58,10 @@ class CheckpointWriter:
         whose ranks save together (their barrier precedes the commit); None with one rank."""
         if keep < 1:
             raise CheckpointError(f"CheckpointWriter keep={keep!r}; valid: an integer >= 1")
-        if block_bytes <= 0 or block_bytes % 8:
+        if block_bytes <= 0 or block_bytes % 8 or block_bytes > MAX_BLOCK_BYTES:
             raise CheckpointError(
-                f"CheckpointWriter block_bytes={block_bytes!r}; valid: a positive multiple of 8"
+                f"CheckpointWriter block_bytes={block_bytes!r}; valid: a positive multiple of 8, "
+                f"at most {MAX_BLOCK_BYTES} (readers refuse larger checksum blocks)"
             )
         self.root: Location = storage.resolve(root, filesystem)
         self._filesystem = filesystem
