@@ -20,6 +20,7 @@ checkpoints live in its Ray run folder: <cluster.storage_path>/<cluster.run_name
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,43 @@ from cluster.tracking import resolve_tracking_uri
 from trainer.config import PRESETS, ConfigError, TrainerConfig, fail
 
 SCHEMA_NAME = "job_schema"
+
+
+# ---- value checks: every number finite and in range (NaN passes `x <= 0`) ------------------------
+
+MAX_FAILURES = "-1 (unlimited) or an integer >= 0"
+RUN_NAME_FORBIDDEN = "/\\?#"
+RUN_NAME_VALID = (
+    "one path component: not empty, not starting with '.', without '/', '\\', '?', '#' or "
+    "control characters (e.g. 'elastic-fsdp' or 'llama-1b.v2'); it names the folder "
+    "<cluster.storage_path>/<run_name>"
+)
+
+
+def check_count(key: str, value, minimum: int, valid: str = "") -> None:
+    """An integer >= minimum (a bool is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        fail(key, value, valid or f"an integer >= {minimum}")
+
+
+def check_positive(key: str, value, valid: str) -> None:
+    """A finite number > 0: NaN and inf are refused (NaN compares False with everything)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
+        fail(key, value, valid)
+
+
+def check_run_name(name: str) -> None:
+    """The run's folder is <storage_path>/<run_name>: a name that is not exactly one path
+    component would write outside the storage root ('..', '/') or into a hidden folder."""
+    safe = (
+        bool(name)
+        and not name.startswith(".")
+        and not any(c in RUN_NAME_FORBIDDEN for c in name)
+        and name.isprintable()
+    )
+    if not safe:
+        fail("cluster.run_name", name, RUN_NAME_VALID)
 
 
 @dataclass
@@ -67,30 +105,41 @@ class ClusterConfig:
     """How often Ray Train checks whether an elastic run can grow (ScalingConfig field)."""
 
     def validate(self) -> None:
-        if self.num_workers <= 0:
-            fail("cluster.num_workers", self.num_workers, "a positive integer")
+        for key in ("num_workers",) + (("min_workers", "max_workers") if self.elastic else ()):
+            check_count(f"cluster.{key}", getattr(self, key), minimum=1)
         if (self.min_workers is None) != (self.max_workers is None):
             fail(
                 "cluster.min_workers/max_workers",
                 (self.min_workers, self.max_workers),
                 "both set (elastic) or both null (fixed num_workers)",
             )
-        if self.min_workers is not None and not 1 <= self.min_workers <= self.max_workers:
+        if self.elastic and self.min_workers > self.max_workers:
             fail(
                 "cluster.min_workers",
                 self.min_workers,
                 f"1 <= min_workers <= max_workers={self.max_workers}",
             )
-        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
-            fail(
+        check_count("cluster.max_failures", self.max_failures, minimum=-1, valid=MAX_FAILURES)
+        check_positive("cluster.cpus_per_worker", self.cpus_per_worker, "a positive number")
+        check_positive("cluster.pg_timeout_s", self.pg_timeout_s, "a positive number of seconds")
+        check_positive(
+            "cluster.elastic_resize_monitor_interval_s",
+            self.elastic_resize_monitor_interval_s,
+            "a positive number of seconds",
+        )
+        if self.device_memory_gb is not None:
+            check_positive(
                 "cluster.device_memory_gb",
                 self.device_memory_gb,
                 "null or a positive number of GiB",
             )
-        if self.cpus_per_worker <= 0:
-            fail("cluster.cpus_per_worker", self.cpus_per_worker, "a positive number")
-        if self.max_failures < -1:
-            fail("cluster.max_failures", self.max_failures, "-1 (unlimited) or an integer >= 0")
+        if not self.storage_path:
+            fail("cluster.storage_path", self.storage_path, "a local path or a pyarrow.fs URI")
+        check_run_name(self.run_name)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.max_workers is not None
 
     @property
     def world_sizes(self) -> tuple[int, int]:

@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config import ConfigError, JobConfig, checked_config, flatten
+from cluster.preflight import preflight
 from cluster.ray_launch import connect_largest
 from cluster.report import write_report
 from cluster.tracking import create_sweep_run, end_run, run_tags, ui_command
@@ -143,7 +144,9 @@ def checked_jobs(
         try:
             composed = task_config(loader.load_sweep_config(config, list(overrides)))
             run_name = sweep_run_name(composed.cluster.run_name, slot)
-            cfgs.append(checked_config(composed, launch_dir, run_name))
+            cfg = checked_config(composed, launch_dir, run_name)
+            preflight(cfg, log=lambda *_: None)  # the data intact, the storage writable
+            cfgs.append(cfg)
         except (ConfigError, HydraException, OmegaConfBaseException) as e:
             # Hydra's config search path is noise here
             message = str(e).split("\nConfig search path:")[0].rstrip()
@@ -160,7 +163,10 @@ def checked_jobs(
 def checked_jobs_of(dictcfgs: list[DictConfig], launch_dir: str) -> list[JobConfig]:
     """JobConfigs of composed configs (no sweep slot), or exit 2 with the first error."""
     try:
-        return [checked_config(d, launch_dir) for d in dictcfgs]
+        cfgs = [checked_config(d, launch_dir) for d in dictcfgs]
+        for cfg in cfgs:
+            preflight(cfg, log=lambda *_: None)  # the data intact, the storage writable
+        return cfgs
     except (ConfigError, OmegaConfBaseException) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

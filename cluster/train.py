@@ -27,11 +27,13 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config import ConfigError, JobConfig, checked_config, job_to_dict, register_schemas
+from cluster.preflight import preflight
 from cluster.ray_checkpoint import read_pointer
 from cluster.ray_launch import build_trainer, connect_largest
 from cluster.sweep import JobSlot, current_slot, sweep_run_name
 from cluster.tracking import finish_tracking, metric_history, start_tracking, ui_command
 from cluster.worker import LaunchInfo, worker_config
+from trainer.data.preparation import Plan
 
 register_schemas()
 
@@ -41,9 +43,9 @@ def hydra_main(dictcfg: DictConfig) -> Optional[dict]:
     launch_dir = os.getcwd()  # hydra.job.chdir is false: this is where the user launched
     out_dir = HydraConfig.get().runtime.output_dir  # this job's Hydra outputs
     slot = current_slot()  # this job's place in a sweep; None for a plain run
-    cfg = config_or_exit(dictcfg, launch_dir, slot)
+    cfg, plan = config_or_exit(dictcfg, launch_dir, slot)  # every bad input stops here
     connect_largest([cfg])  # before the MLflow run exists: an unreachable Ray leaves no run
-    data = prepare(cfg)  # once; on Ray Data for large sources
+    data = prepare(cfg, plan)  # once; on Ray Data for large sources
     run_id = start_tracking(cfg, slot, out_dir, data)
     result = None
     try:
@@ -59,23 +61,27 @@ def main() -> None:
     hydra_main()
 
 
-def config_or_exit(dictcfg: DictConfig, launch_dir: str, slot: Optional[JobSlot]) -> JobConfig:
-    """Typed, validated, with absolute paths (and a sweep job's own run name), or exit 2 with the
-    message: no worker has started. (A sweep's jobs were all checked the same way before the
-    first one started.)"""
+def config_or_exit(
+    dictcfg: DictConfig, launch_dir: str, slot: Optional[JobSlot]
+) -> tuple[JobConfig, Plan]:
+    """Typed, validated, with absolute paths (and a sweep job's own run name), and through the
+    preflight (cluster/preflight.py: the prepared data intact, the storage writable), with the
+    data's preparation plan; or exit 2 with the message: Ray has not started, no MLflow run
+    exists. (A sweep's jobs were all checked the same way before the first one started.)"""
     try:
         run_name = sweep_run_name(dictcfg.cluster.run_name, slot) if slot else None
-        return checked_config(dictcfg, launch_dir, run_name)
+        cfg = checked_config(dictcfg, launch_dir, run_name)
+        return cfg, preflight(cfg)
     except (ConfigError, OmegaConfBaseException) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def prepare(cfg: JobConfig):
+def prepare(cfg: JobConfig, plan: Plan):
     """Tokenize the sources once (cluster/prepare.py); later runs find the preparation."""
     from cluster.prepare import prepare_data  # noqa: PLC0415 -- torch: after the config checks
 
-    return prepare_data(cfg)
+    return prepare_data(cfg, plan)
 
 
 def fit(cfg: JobConfig, run_id: Optional[str], data_dir: str):
