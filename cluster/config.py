@@ -103,6 +103,12 @@ class ClusterConfig:
     recommendation if it does not. On CUDA workers the device's real size is checked regardless."""
     elastic_resize_monitor_interval_s: float = 60.0
     """How often Ray Train checks whether an elastic run can grow (ScalingConfig field)."""
+    takeover: bool = False
+    """Take the run name's lease from a launch that still holds it (cluster/lease.py). Only for
+    a holder you know is gone: two live launches of one name write into each other's run."""
+    lease_ttl_s: float = 120.0
+    """The run lease expires this long after its holder's last heartbeat (every ttl / 4): a
+    crashed driver's run can be resumed by a new launch after at most this long."""
 
     def validate(self) -> None:
         for key in ("num_workers",) + (("min_workers", "max_workers") if self.elastic else ()):
@@ -136,6 +142,7 @@ class ClusterConfig:
         if not self.storage_path:
             fail("cluster.storage_path", self.storage_path, "a local path or a pyarrow.fs URI")
         check_run_name(self.run_name)
+        check_positive("cluster.lease_ttl_s", self.lease_ttl_s, "a positive number of seconds")
 
     @property
     def elastic(self) -> bool:

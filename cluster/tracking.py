@@ -174,6 +174,23 @@ def end_run(tracking_uri: str, run_id: str, ok: bool, status: Optional[str] = No
     MlflowClient(tracking_uri).set_terminated(run_id, status or ("FINISHED" if ok else "FAILED"))
 
 
+def end_abandoned_run(tracking_uri: str, run_id: str, by_launch: str) -> bool:
+    """A launch whose driver died left its MLflow run RUNNING: end it as KILLED (tagged with the
+    launch that found it), so the UI never shows a run running forever. True if it was ended."""
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
+
+    client = MlflowClient(tracking_uri)
+    try:
+        if client.get_run(run_id).info.status != "RUNNING":
+            return False
+        client.set_tag(run_id, "ended_by_launch", by_launch)
+        client.set_terminated(run_id, "KILLED")
+    except MlflowException:  # another tracking server, or a deleted run: nothing to end here
+        return False
+    return True
+
+
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     """[(step, value)] of one metric of a run, by step."""
     from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import

@@ -27,12 +27,20 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config import ConfigError, JobConfig, checked_config, job_to_dict, register_schemas
+from cluster.lease import LeaseHeld, LeaseLost, RunLease
 from cluster.preflight import preflight
 from cluster.ray_checkpoint import read_pointer
 from cluster.ray_launch import build_trainer, connect_largest
 from cluster.sweep import JobSlot, current_slot, sweep_run_name
-from cluster.tracking import finish_tracking, metric_history, start_tracking, ui_command
+from cluster.tracking import (
+    end_abandoned_run,
+    finish_tracking,
+    metric_history,
+    start_tracking,
+    ui_command,
+)
 from cluster.worker import LaunchInfo, worker_config
+from trainer import storage
 from trainer.data.preparation import Plan
 
 register_schemas()
@@ -44,16 +52,60 @@ def hydra_main(dictcfg: DictConfig) -> Optional[dict]:
     out_dir = HydraConfig.get().runtime.output_dir  # this job's Hydra outputs
     slot = current_slot()  # this job's place in a sweep; None for a plain run
     cfg, plan = config_or_exit(dictcfg, launch_dir, slot)  # every bad input stops here
-    connect_largest([cfg])  # before the MLflow run exists: an unreachable Ray leaves no run
-    data = prepare(cfg, plan)  # once; on Ray Data for large sources
-    run_id = start_tracking(cfg, slot, out_dir, data)
-    result = None
+    lease = lease_or_exit(cfg)  # this launch owns the run name until it ends
     try:
-        result = fit(cfg, run_id, data.uri)
+        connect_largest([cfg])  # before the MLflow run exists: an unreachable Ray leaves no run
+        data = prepare(cfg, plan)  # once; on Ray Data for large sources
+        run_id = start_tracking(cfg, slot, out_dir, data)
+        adopt_run(cfg, lease, run_id)
+        result = None
+        try:
+            result = fit(cfg, run_id, data.uri)
+        finally:
+            if run_id:
+                finish_tracking(cfg, run_id, slot, out_dir, ok=result is not None)
     finally:
-        if run_id:
-            finish_tracking(cfg, run_id, slot, out_dir, ok=result is not None)
+        lease.release()
+    if lease.lost:
+        print(f"error: {lease.lost} while this launch ran", file=sys.stderr)
     return closing_note(cfg, run_id, result)
+
+
+def lease_or_exit(cfg: JobConfig) -> RunLease:
+    """The run name's lease (cluster/lease.py), heartbeating; or exit 2 naming the launch that
+    holds it. Before Ray and MLflow: a refused launch leaves nothing behind."""
+    try:
+        lease = RunLease.acquire(
+            run_folder(cfg), takeover=cfg.cluster.takeover, ttl_s=cfg.cluster.lease_ttl_s
+        )
+    except (LeaseHeld, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    lease.start_heartbeat()
+    return lease
+
+
+def run_folder(cfg: JobConfig) -> str:
+    """<storage_path>/<run_name>, query string (s3 endpoint options) kept at the end."""
+    return str(storage.resolve(cfg.cluster.storage_path).child(cfg.cluster.run_name))
+
+
+def adopt_run(cfg: JobConfig, lease: RunLease, run_id: Optional[str]) -> None:
+    """Record this launch's MLflow run in the lease; a previous launch of this name that died
+    without ending its MLflow run (its lease expired or was taken over) has it ended as KILLED,
+    so the UI shows no run running forever and no step in two running runs."""
+    prev = lease.previous
+    abandoned = prev is not None and not prev.released and prev.mlflow_run_id
+    if abandoned and prev.mlflow_run_id != run_id:
+        if end_abandoned_run(cfg.tracking.tracking_uri, prev.mlflow_run_id, lease.holder.launch_id):
+            print(
+                f"mlflow: run {prev.mlflow_run_id} of the previous launch {prev.launch_id} "
+                "(gone without ending it) marked KILLED"
+            )
+    try:
+        lease.renew(mlflow_run_id=run_id)
+    except (LeaseLost, OSError) as e:  # the heartbeat reports a loss; storage hiccups retry
+        print(f"warning: run lease: {e}", file=sys.stderr)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ here.
 from __future__ import annotations
 
 import os
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -131,3 +132,52 @@ def delete_dir(loc: Location) -> None:
         loc.fs.delete_dir(loc.path)
     except FileNotFoundError:
         pass
+
+
+def create_exclusive(loc: Location, data: bytes) -> bool:
+    """Create `loc` holding `data` only if nothing is there: True if this call created it, False
+    if it existed (someone else won). Atomic against concurrent creators, and never seen
+    half-written: on local (and NFS) filesystems the data goes to a temporary file that is then
+    hard-linked to the name (link fails if the name exists); on S3 it is a conditional PUT
+    (If-None-Match: *, honoured by AWS S3 and most S3-compatible stores). Other filesystems raise
+    StorageError: there is no race-free way to do it through pyarrow.fs."""
+    if loc.is_local:
+        tmp = f"{loc.path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, loc.path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        fsync(loc, directory=True)
+        return True
+    if loc.fs.type_name == "s3":
+        return _s3_put_if_absent(loc, data)
+    raise StorageError(
+        f"{loc}: cannot create a file exclusively on a {loc.fs.type_name!r} filesystem "
+        "(supported: local paths, including shared mounts, and s3://)"
+    )
+
+
+def _s3_put_if_absent(loc: Location, data: bytes) -> bool:
+    import boto3  # noqa: PLC0415 -- only where an S3 run lease is taken
+    from botocore.exceptions import ClientError  # noqa: PLC0415
+
+    query = dict(urllib.parse.parse_qsl(loc.query.lstrip("?")))
+    endpoint = query.get("endpoint_override")
+    if endpoint and "://" not in endpoint:
+        endpoint = f"{query.get('scheme', 'https')}://{endpoint}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name=query.get("region"))
+    bucket, _, key = loc.path.partition("/")
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+    except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+            return False
+        raise StorageError(f"cannot create {loc}: {e}") from e
+    return True

@@ -1,0 +1,146 @@
+"""A run owns its name: of launches that start together exactly one takes the lease, on a local
+folder and on S3 (moto on loopback); a live holder refuses the rest, naming itself; a released or
+expired lease passes on; a takeover is noticed by the holder it displaced."""
+
+import json
+import multiprocessing as mp
+import time
+import types
+
+import pytest
+
+from cluster.lease import LeaseHeld, LeaseLost, RunLease
+from tests.cluster.test_preflight import assert_stopped_at_driver, corpus, run_preflight  # noqa: F401
+from tests.s3_server import s3_server, s3_uri
+
+
+def _contend(run_dir: str, start, results, i: int) -> None:
+    start.wait()
+    try:
+        lease = RunLease.acquire(run_dir, launch_id=f"launch-{i}")
+        results.put((i, "won", lease.holder.launch_id))
+    except LeaseHeld as e:
+        results.put((i, "refused", str(e)))
+
+
+def _race(run_dir: str, n: int) -> list:
+    """n processes, released together, each trying to take the lease of one run folder."""
+    ctx = mp.get_context("fork")
+    start, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_contend, args=(run_dir, start, results, i)) for i in range(n)]
+    for p in procs:
+        p.start()
+    start.set()
+    out = sorted(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    return out
+
+
+def _check_one_winner(out: list) -> None:
+    won = [o for o in out if o[1] == "won"]
+    assert len(won) == 1, out
+    winner = won[0][2]
+    for _, status, message in out:
+        if status == "refused":  # the loser names the winner (or, racing, that someone won)
+            assert "cluster.run_name" in message or "claimed at the same moment" in message
+            assert winner in message or "another launch" in message, message
+
+
+def test_of_launches_started_together_exactly_one_takes_a_local_run(tmp_path):
+    for trial in range(3):
+        _check_one_winner(_race(str(tmp_path / f"run{trial}"), 4))
+
+
+def test_of_launches_started_together_exactly_one_takes_an_s3_run():
+    with s3_server("bucket") as endpoint:
+        for trial in range(2):
+            _check_one_winner(_race(s3_uri(endpoint, "bucket", f"runs/r{trial}"), 3))
+
+
+def _rewrite(lease: RunLease, **fields) -> None:
+    """Edit the holder's file as a crashed (or slow) holder would have left it."""
+    path = lease.folder.child(f"gen-{lease.gen:06d}.json").path
+    doc = json.loads(open(path).read())
+    doc.update(fields)
+    open(path, "w").write(json.dumps(doc))
+
+
+def test_a_live_holder_refuses_a_second_launch_naming_itself(tmp_path):
+    run = str(tmp_path / "run")
+    first = RunLease.acquire(run, launch_id="first")
+    with pytest.raises(LeaseHeld) as e:
+        RunLease.acquire(run, launch_id="second")
+    msg = str(e.value)
+    assert "held by launch first" in msg and f"pid {first.holder.pid}" in msg
+    assert "cluster.takeover=true" in msg and "expires in" in msg
+
+
+def test_a_released_lease_passes_on_and_an_expired_one_is_taken_over(tmp_path):
+    run = str(tmp_path / "run")
+    first = RunLease.acquire(run, launch_id="first")
+    first.release()
+    second = RunLease.acquire(run, launch_id="second")  # the run ended: a new launch resumes it
+    assert second.previous.launch_id == "first" and second.previous.released
+    _rewrite(second, heartbeat_unix=time.time() - 3600)  # its driver died an hour ago
+    third = RunLease.acquire(run, launch_id="third")
+    assert third.previous.launch_id == "second" and not third.previous.released
+    # Only the newest generation is kept.
+    assert [p.name for p in (tmp_path / "run" / "lease").iterdir()] == ["gen-000003.json"]
+
+
+def test_a_takeover_is_noticed_by_the_displaced_holder(tmp_path):
+    run = str(tmp_path / "run")
+    first = RunLease.acquire(run, launch_id="first")
+    first.renew(mlflow_run_id="abc")  # a heartbeat, carrying the MLflow run
+    second = RunLease.acquire(run, launch_id="second", takeover=True)
+    assert second.previous.mlflow_run_id == "abc"
+    with pytest.raises(LeaseLost, match="taken over by launch second"):
+        first.renew()
+    first.release()  # says nothing to storage: the lease is not its own any more
+    with pytest.raises(LeaseHeld, match="held by launch second"):
+        RunLease.acquire(run, launch_id="third")
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+
+def test_a_second_launch_of_a_live_run_is_refused_before_ray_starts(launch_dir, corpus):  # noqa: F811
+    holder = RunLease.acquire(str(launch_dir / "runs" / "elastic-fsdp"), launch_id="the-first")
+    result = run_preflight(launch_dir, corpus)
+    line = assert_stopped_at_driver(
+        result, launch_dir, "cluster.run_name is in use", "held by launch the-first"
+    )
+    assert "cluster.takeover=true" in line
+    holder.renew()  # still its own: the refused launch took nothing
+    assert [p.name for p in (launch_dir / "runs" / "elastic-fsdp" / "lease").iterdir()] == [
+        "gen-000001.json"
+    ]
+
+
+def test_a_launch_after_a_dead_one_ends_its_running_mlflow_run_as_killed(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from cluster.train import adopt_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("e")
+    dead_run = client.create_run(exp).info.run_id  # RUNNING, as its crashed driver left it
+    run = str(tmp_path / "runs" / "r")
+    dead = RunLease.acquire(run, launch_id="dead")
+    dead.renew(mlflow_run_id=dead_run)
+    _rewrite(dead, heartbeat_unix=time.time() - 3600)
+    new = RunLease.acquire(run, launch_id="new")
+    cfg = types.SimpleNamespace(tracking=types.SimpleNamespace(tracking_uri=uri))
+    new_run = client.create_run(exp).info.run_id
+    adopt_run(cfg, new, new_run)
+    assert client.get_run(dead_run).info.status == "KILLED"
+    assert client.get_run(dead_run).data.tags["ended_by_launch"] == "new"
+    assert client.get_run(new_run).info.status == "RUNNING"  # its own run is left alone
+    assert (
+        json.loads((tmp_path / "runs" / "r" / "lease" / "gen-000002.json").read_text())[
+            "mlflow_run_id"
+        ]
+        == new_run
+    )
