@@ -322,8 +322,10 @@ def absolute(path: str, base_dir: str) -> str:
 
 
 def checkpoint_root(storage_path: str, run_name: str) -> str:
-    """<storage_path>/<run_name>/checkpoints: a run's checkpoints, in Ray's run folder."""
-    return f"{storage_path.rstrip('/')}/{run_name}/checkpoints"
+    """<storage_path>/<run_name>/checkpoints: a run's checkpoints, in Ray's run folder. A URI's
+    query string (an S3 endpoint's options) stays at the end."""
+    base, sep, query = storage_path.partition("?")
+    return f"{base.rstrip('/')}/{run_name}/checkpoints{sep}{query}"
 
 
 def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:

@@ -124,6 +124,10 @@ def test_uris_are_left_as_they_are(tmp_path):
     )
     assert cfg.checkpoint_root == "s3://bucket/runs/elastic-fsdp/checkpoints"
     assert checkpoint_root("s3://b/runs/", "x") == "s3://b/runs/x/checkpoints"
+    assert (
+        checkpoint_root("s3://b/runs?endpoint_override=h:9000&scheme=http", "x")
+        == "s3://b/runs/x/checkpoints?endpoint_override=h:9000&scheme=http"
+    )
 
 
 def test_local_ray_gets_just_enough_cpus_for_the_largest_worker_group():
