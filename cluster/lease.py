@@ -120,7 +120,7 @@ class RunLease:
             if not takeover:
                 raise LeaseHeld(_held_message(run_dir, current, now))
             log.warning("run lease: taking over from live %s", current.describe(now))
-        if not storage.create_exclusive(_gen_file(folder, gen + 1), _encode(me)):
+        if not _create(_gen_file(folder, gen + 1), _encode(me)):
             _, winner = _newest(folder)
             who = winner.describe(time.time()) if winner else "another launch"
             raise LeaseHeld(
@@ -182,6 +182,19 @@ class RunLease:
                     storage.delete_file(self.folder.child(name))
                 except OSError:
                     pass
+
+
+def _create(loc: Location, data: bytes) -> bool:
+    """Exclusive create; where the filesystem has none (gs://, hdfs://), check-then-write and
+    read back: it keeps a second launch out unless both start within one round trip."""
+    try:
+        return storage.create_exclusive(loc, data)
+    except storage.StorageError as e:
+        log.warning("run lease: %s; falling back to check-then-write (not race-free)", e)
+    if storage.exists(loc):
+        return False
+    storage.write_bytes(loc, data)
+    return storage.read_bytes(loc) == data
 
 
 def _gen_file(folder: Location, gen: int) -> Location:
