@@ -39,7 +39,7 @@ from cluster.tracking import (
     start_tracking,
     ui_command,
 )
-from cluster.worker import LaunchInfo, worker_config
+from cluster.worker import LaunchInfo, fatal_error, worker_config
 from trainer import storage
 from trainer.data.preparation import Plan
 
@@ -58,16 +58,21 @@ def hydra_main(dictcfg: DictConfig) -> Optional[dict]:
         data = prepare(cfg, plan)  # once; on Ray Data for large sources
         run_id = start_tracking(cfg, slot, out_dir, data)
         adopt_run(cfg, lease, run_id)
-        result = None
+        result, fatal = None, None
         try:
-            result = fit(cfg, run_id, data.uri)
+            result = fit(cfg, run_id, data.uri, lease.holder.launch_id)
+            fatal = fatal_error(run_folder(cfg), lease.holder.launch_id)
         finally:
             if run_id:
-                finish_tracking(cfg, run_id, slot, out_dir, ok=result is not None)
+                ok = result is not None and fatal is None
+                finish_tracking(cfg, run_id, slot, out_dir, ok=ok)
     finally:
         lease.release()
     if lease.lost:
         print(f"error: {lease.lost} while this launch ran", file=sys.stderr)
+    if fatal:  # the workers stopped for good (not retried): say why, exit 1
+        print(f"error: {fatal}", file=sys.stderr)
+        sys.exit(1)
     return closing_note(cfg, run_id, result)
 
 
@@ -136,10 +141,14 @@ def prepare(cfg: JobConfig, plan: Plan):
     return prepare_data(cfg, plan)
 
 
-def fit(cfg: JobConfig, run_id: Optional[str], data_dir: str):
-    """Run the TorchTrainer to completion; Ray retries failures up to cluster.max_failures."""
+def fit(cfg: JobConfig, run_id: Optional[str], data_dir: str, launch_id: str):
+    """Run the TorchTrainer to completion; Ray retries failures up to cluster.max_failures (the
+    workers end cleanly on errors a retry would repeat: cluster/worker.py fatal_errors)."""
     launch = LaunchInfo(
-        checkpoint_root=cfg.checkpoint_root, mlflow_run_id=run_id, data_dir=data_dir
+        checkpoint_root=cfg.checkpoint_root,
+        mlflow_run_id=run_id,
+        data_dir=data_dir,
+        launch_id=launch_id,
     )
     trainer = build_trainer(cfg, worker_config(job_to_dict(cfg), launch))
     return trainer.fit()

@@ -95,6 +95,9 @@ def train_loop_per_worker(config: dict) -> None:
     try:
         with elastic.training():
             result = run_training(cfg, ctx)
+    except fatal_errors() as e:
+        end_fatally(folder, rank, launch, e)
+        return
     finally:
         logger.close()
         if monitor is not None:
@@ -108,6 +111,40 @@ def train_loop_per_worker(config: dict) -> None:
             f"committing {result.last_checkpoint}; Ray Train restarts the worker "
             "group from it",
         )
+
+
+FATAL = "fatal.json"
+"""In the run's elastic/ folder: the error that ended a launch's training for good."""
+
+
+def fatal_errors() -> tuple[type, ...]:
+    """Errors that every rank raises alike and a restart would only repeat: the run diverged, or
+    the configuration does not fit the run (a checkpoint of another model, a vocabulary too
+    small). Ray Train 2.60 retries every worker failure (its failure policy has no per-error
+    rule), so the workers end cleanly and hand the error to the driver instead."""
+    from trainer.config import ConfigError  # noqa: PLC0415 -- torch: in the worker only
+    from trainer.loop import DivergenceError  # noqa: PLC0415
+
+    return (DivergenceError, ConfigError)
+
+
+def end_fatally(folder, rank: int, launch: LaunchInfo, error: Exception) -> None:
+    """Rank 0 records the error for the driver (durable: the driver reads it after fit)."""
+    if rank == 0:
+        doc = {"launch_id": launch.launch_id, "type": type(error).__name__, "error": str(error)}
+        folder.write(FATAL, doc, durable=True)
+    print0(f"error: {type(error).__name__}: {error} (not retried: a restart would repeat it)")
+
+
+def fatal_error(run_folder_uri: str, launch_id: str) -> Optional[str]:
+    """The driver's side: the error this launch's workers ended with, if they recorded one."""
+    from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder  # noqa: PLC0415
+
+    doc = RunFolder.at(run_folder_uri).location.child(ELASTIC_DIR)
+    record = RunFolder(doc).read(FATAL)
+    if record and record.get("launch_id") == launch_id:
+        return f"{record['type']}: {record['error']}"
+    return None
 
 
 def start_node_metrics(context, cfg, launch: LaunchInfo):
