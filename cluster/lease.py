@@ -41,6 +41,9 @@ LEASE_DIR = "lease"
 _GEN = re.compile(r"^gen-(\d{6,})\.json$")
 
 
+UNREADABLE = "unknown (lease file being written)"
+
+
 class LeaseHeld(RuntimeError):
     """Another live launch holds the run name; the message names it and the ways forward."""
 
@@ -184,6 +187,27 @@ class RunLease:
                     pass
 
 
+class LeaseGuard:
+    """For the workers: None while `launch_id` holds the run's lease, else who took it over. One
+    LIST and one small read per call (the loop asks before each save)."""
+
+    def __init__(self, sibling: Location, launch_id: str):
+        """`sibling`: any folder directly inside the run folder (the workers have elastic/)."""
+        parent = Location(
+            sibling.fs,
+            sibling.path.rsplit("/", 1)[0],
+            sibling.display.rsplit("/", 1)[0],
+            sibling.query,
+        )
+        self.folder, self.launch_id = parent.child(LEASE_DIR), launch_id
+
+    def __call__(self) -> Optional[str]:
+        _, holder = _newest(self.folder)
+        if holder is None or holder.launch_id in (self.launch_id, UNREADABLE):
+            return None  # no lease (a run without the driver: tests, tools), or not yet readable
+        return f"the run was taken over by {holder.describe(time.time())}"
+
+
 def _create(loc: Location, data: bytes) -> bool:
     """Exclusive create; where the filesystem has none (gs://, hdfs://), check-then-write and
     read back: it keeps a second launch out unless both start within one round trip."""
@@ -219,7 +243,7 @@ def _newest(folder: Location) -> tuple[int, Optional[Holder]]:
         return gens[0], Holder(**raw)
     except (ValueError, TypeError, OSError):
         now = time.time()
-        return gens[0], Holder("unknown (lease file being written)", "?", 0, now, now, 120.0)
+        return gens[0], Holder(UNREADABLE, "?", 0, now, now, 120.0)
 
 
 def _held_message(run_dir: str, h: Holder, now: float) -> str:

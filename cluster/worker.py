@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from cluster.config import job_from_dict
+from cluster.lease import LeaseGuard
 from cluster.ray_checkpoint import read_pointer, report_checkpoint
 from trainer.metrics import MetricsLogger, MLflowLogger, NullLogger, print0, start_system_metrics
 
@@ -90,6 +91,7 @@ def train_loop_per_worker(config: dict) -> None:
             tracker.before_step, elastic.FaultInjector(cfg.fault, rank, folder)
         ),
         after_step=tracker.on_step,
+        may_write=LeaseGuard(folder.location, launch.launch_id),
     )
     monitor = start_node_metrics(context, cfg, launch)
     try:
@@ -122,10 +124,11 @@ def fatal_errors() -> tuple[type, ...]:
     the configuration does not fit the run (a checkpoint of another model, a vocabulary too
     small). Ray Train 2.60 retries every worker failure (its failure policy has no per-error
     rule), so the workers end cleanly and hand the error to the driver instead."""
-    from trainer.config import ConfigError  # noqa: PLC0415 -- torch: in the worker only
+    from trainer.checkpointing import RunTakenOver  # noqa: PLC0415 -- torch: in the worker only
+    from trainer.config import ConfigError  # noqa: PLC0415
     from trainer.loop import DivergenceError  # noqa: PLC0415
 
-    return (DivergenceError, ConfigError)
+    return (DivergenceError, ConfigError, RunTakenOver)
 
 
 def end_fatally(folder, rank: int, launch: LaunchInfo, error: Exception) -> None:

@@ -219,6 +219,10 @@ def check_resumable(state: dict, cfg: TrainerConfig, data: dict, path: str) -> N
         )
 
 
+class RunTakenOver(CheckpointError):
+    """Another launch owns the run folder now: this one must not write into it."""
+
+
 class Checkpointer:
     """One rank's checkpointing of one run: cadence, async save, commit report, resume."""
 
@@ -260,6 +264,7 @@ class Checkpointer:
         self.writer = CheckpointWriter(
             root, keep=cfg.train.keep_checkpoints, async_save=True, group=barrier_group
         )
+        self.writer.commit_guard = lambda: self.may_write() if self.may_write else None
         self.start_step = 0
         self.resumed_from: Optional[str] = None
         self.last_committed: Optional[str] = None
@@ -268,6 +273,10 @@ class Checkpointer:
         self.before_save: Optional[Callable[[int], None]] = None
         """Called with the step on every rank before each save; raises to refuse it (the loop's
         check that the state is finite)."""
+        self.may_write: Optional[Callable[[], Optional[str]]] = None
+        """None when this run may still write its checkpoints, else why not (the cluster layer's
+        run lease: another launch took the run over). Asked before each save, on every rank
+        together, and by rank 0 again right before it commits."""
 
     # ---- saving ------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
@@ -281,6 +290,7 @@ class Checkpointer:
         """Start an asynchronous save of `step`; the previous one is waited for and reported."""
         if self.before_save is not None:
             self.before_save(step)
+        self.check_may_write(f"saving step {step}")
         self._report()
         state = TrainerState.of(
             self.cfg,
@@ -304,6 +314,15 @@ class Checkpointer:
         self._report()
         self.writer.close()
         return self.last_committed
+
+    def check_may_write(self, doing: str) -> None:
+        """RunTakenOver on every rank (they agree) when this run may no longer write."""
+        reason = self.may_write() if self.may_write is not None else None
+        if self._any(reason is not None):
+            raise RunTakenOver(
+                f"not {doing}: {reason or 'another rank found the run taken over'}; this launch "
+                "writes nothing more into the run folder"
+            )
 
     def abandon(self) -> None:
         """Stop without saving: the save in flight (started before anything went wrong) is

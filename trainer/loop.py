@@ -81,6 +81,9 @@ class WorkerContext:
     after_step: Optional[Callable[[int, dict], Optional[dict]]] = None
     """Called on every rank after each logged step with (step, metrics); a returned dict is merged
     into the metrics that rank 0 logs (the cluster layer adds elastic/* this way)."""
+    may_write: Optional[Callable[[], Optional[str]]] = None
+    """None while this launch may write into the run's folder, else why not (the cluster layer's
+    run lease, taken over by another launch): checked before training and before every save."""
     record_samples: bool = False
     """Keep (step, source, sample id) of every sequence this rank trained on, in the result (for
     audits and the exactly-once tests; costs memory proportional to the run)."""
@@ -203,6 +206,7 @@ class Trainer:
         self.loader = self.make_loader()
         self._since = (time.perf_counter(), self.step)  # the clock of the next logged step
         self.checkpointer.before_save = self.check_finite_state
+        self.checkpointer.may_write = self.ctx.may_write
         try:
             self._train()
             self.read_losses()
@@ -216,6 +220,7 @@ class Trainer:
         return r
 
     def _train(self) -> None:
+        self.checkpointer.check_may_write("training")
         while self.step < self.cfg.train.steps:
             if self.stop_requested():
                 self.print0(

@@ -144,3 +144,66 @@ def test_a_launch_after_a_dead_one_ends_its_running_mlflow_run_as_killed(tmp_pat
         ]
         == new_run
     )
+
+
+def test_a_run_taken_over_while_it_trains_stops_writing_and_says_by_whom(launch_dir):
+    """The real CLI (local Ray, 2 workers) trains; the test takes its lease over (as a second
+    launch with cluster.takeover=true would): the running launch stops at its next save without
+    committing, is not retried, exits 1 naming the new holder, and leaves the lease alone."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.cluster.conftest import REPO
+    from tests.cluster.elastic_cluster import attempts, wait_until
+    from trainer.checkpoint import list_checkpoints
+
+    run_dir = launch_dir / "runs" / "taken"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    args = [
+        sys.executable,
+        "-m",
+        "cluster.train",
+        f"hydra.run.dir={launch_dir}/outputs",
+        "train.steps=2000",
+        "train.checkpoint_every=2",
+        "train.global_batch_size=4",
+        "data.max_bytes=200000",
+        "data.seq_len=32",
+        "cluster.num_workers=2",
+        "cluster.max_failures=2",
+        "cluster.run_name=taken",
+        "tracking.experiment=taken",
+    ]
+    log = launch_dir / "cli.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            args,
+            cwd=launch_dir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: (a := attempts(run_dir)) and (a[-1].get("last_step") or 0) >= 6,
+            180,
+            "the run to train 6 steps",
+        )
+        before = {c.step for c in list_checkpoints(str(run_dir / "checkpoints"))}
+        thief = RunLease.acquire(str(run_dir), launch_id="thief", takeover=True)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    out = log.read_text(errors="replace")
+    assert rc == 1, out[-6000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert errors and "RunTakenOver" in errors[-1] and "launch thief" in errors[-1], out[-6000:]
+    assert len(attempts(run_dir)) == 1  # not retried
+    after = {c.step for c in list_checkpoints(str(run_dir / "checkpoints"))}
+    assert len(after - before) <= 1, (before, after)  # at most the save already past its check
+    thief.renew()  # the displaced launch's exit released nothing of the thief's

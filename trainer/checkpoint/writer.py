@@ -75,6 +75,9 @@ class CheckpointWriter:
         self._protected: set[str] = set()
         self._staging: Optional[torch.Tensor] = None
         self._closed = False
+        self.commit_guard: Optional[Callable[[], Optional[str]]] = None
+        """Asked by rank 0 right before it commits: None to go on, else why this writer may no
+        longer write (the run was taken over); nothing is committed or deleted then."""
 
     # ------------------------------------------------------------------ public
 
@@ -197,6 +200,9 @@ class CheckpointWriter:
         if error is not None:
             raise error
         if rank == 0:
+            reason = self.commit_guard() if self.commit_guard is not None else None
+            if reason:
+                raise CheckpointError(f"not committing {step_dir}: {reason}")
             commit(step_dir, step, world_size, state)
             self._retain(step)
         return str(step_dir)
