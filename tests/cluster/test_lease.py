@@ -207,3 +207,71 @@ def test_a_run_taken_over_while_it_trains_stops_writing_and_says_by_whom(launch_
     after = {c.step for c in list_checkpoints(str(run_dir / "checkpoints"))}
     assert len(after - before) <= 1, (before, after)  # at most the save already past its check
     thief.renew()  # the displaced launch's exit released nothing of the thief's
+
+
+def test_two_launches_of_one_name_started_together_one_trains_the_other_is_refused(launch_dir):
+    """Two real CLIs at once, one run name: one exits 2 before Ray (naming the other), the other
+    trains to the end with its checkpoints and its MLflow history whole."""
+    import os
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.cluster.conftest import REPO
+    from trainer.checkpoint import list_checkpoints
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    procs = []
+    for i in range(2):
+        args = [
+            sys.executable,
+            "-m",
+            "cluster.train",
+            f"hydra.run.dir={launch_dir}/outputs{i}",
+            "train.steps=6",
+            "train.checkpoint_every=2",
+            "train.global_batch_size=4",
+            "data.max_bytes=200000",
+            "data.seq_len=32",
+            "cluster.num_workers=2",
+            "cluster.run_name=twice",
+            "tracking.experiment=twice",
+        ]
+        log = open(launch_dir / f"cli{i}.log", "w")
+        procs.append(
+            (
+                subprocess.Popen(
+                    args,
+                    cwd=launch_dir,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
+    try:
+        rcs = [p.wait(timeout=240) for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+            log.close()
+    outs = [(launch_dir / f"cli{i}.log").read_text(errors="replace") for i in range(2)]
+    assert sorted(rcs) == [0, 2], outs
+    loser = outs[rcs.index(2)]
+    assert "cluster.run_name is in use" in loser or "claimed at the same moment" in loser, loser
+    assert "Started a local Ray instance" not in loser
+    checkpoints = list_checkpoints(str(launch_dir / "runs" / "twice" / "checkpoints"))
+    assert sorted(c.step for c in checkpoints) == [2, 4, 6]
+    assert all(c.problem is None for c in checkpoints)
+    client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("twice").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(
+        range(6)
+    )
