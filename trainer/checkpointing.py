@@ -82,6 +82,10 @@ class TrainerState:
     what an export hands over with the weights."""
     imported_from: Optional[str] = None
     """A Hugging Face checkpoint this step-0 checkpoint was imported from (trainer/hf.py)."""
+    loss: Optional[float] = None
+    """The mean token loss of the last step trained (for `inspect`; None when unknown)."""
+    tokens_seen: Optional[int] = None
+    """Training tokens consumed up to this step: step x global batch x sequence length."""
 
     @classmethod
     def of(
@@ -93,8 +97,10 @@ class TrainerState:
         scaler: ShardedGradScaler,
         data: dict,
         tokenizer: Optional[dict] = None,
+        loss: Optional[float] = None,
     ) -> "TrainerState":
         steps_taken = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+        finite = loss is not None and loss == loss and abs(loss) != float("inf")
         return cls(
             step=step,
             consumed_samples=step * cfg.train.global_batch_size,
@@ -109,6 +115,8 @@ class TrainerState:
             rng_cpu=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
             data=data,
             tokenizer=tokenizer,
+            loss=float(loss) if finite else None,
+            tokens_seen=step * cfg.train.global_batch_size * cfg.data.seq_len,
         )
 
     def to_json(self) -> dict:
@@ -270,6 +278,9 @@ class Checkpointer:
         self.last_committed: Optional[str] = None
         self._in_flight: Optional[int] = None  # the step being saved, until reported
         self._saved_step: Optional[int] = None
+        self.last_loss: Optional[float] = None
+        """The mean token loss of the last step trained, recorded with each save (the loop sets
+        it when it reads the losses back before a save)."""
         self.before_save: Optional[Callable[[int], None]] = None
         """Called with the step on every rank before each save; raises to refuse it (the loop's
         check that the state is finite)."""
@@ -300,6 +311,7 @@ class Checkpointer:
             self.scaler,
             self.data_identity,
             self.tokenizer,
+            self.last_loss,
         )
         self.writer.save(
             step, self.rank, self.world, state_chunks(self.model, self.optimizer), state.to_json()

@@ -205,6 +205,7 @@ class Trainer:
             self.load_hf_weights()
         self.loader = self.make_loader()
         self._since = (time.perf_counter(), self.step)  # the clock of the next logged step
+        self._started = (self._since[0], self.step)  # elapsed time and the ETA's rate
         self.checkpointer.before_save = self.check_finite_state
         self.checkpointer.may_write = self.ctx.may_write
         try:
@@ -363,6 +364,7 @@ class Trainer:
         nothing is saved. min/max reductions (a NaN propagates, an inf is an extreme): no
         temporary the size of a tensor."""
         self.read_losses()
+        self.checkpointer.last_loss = self.result.final_loss
         tensors = [f.shard for f in self.model.flats()]
         tensors += [
             v
@@ -427,16 +429,54 @@ class Trainer:
             evaluated = f" | eval {eval_loss:.4f}"
         if self.ctx.after_step is not None:
             m.update(self.ctx.after_step(step, m) or {})
-        self.print0(
-            f"step {step:5d} | loss {loss:.4f}{evaluated} | lr {m['train/lr']:.2e} | "
-            f"gnorm {norm:.3f} | {m['perf/tokens_per_s']:8.0f} tok/s | "
-            f"{seconds * 1000:7.1f} ms | world {self.world}"
-        )
+        m.update(memory_metrics(self.device))
+        self.print0(self.step_line(step, loss, norm, m, evaluated))
         self.log.log_metrics(m, step=step)
+
+    def step_line(self, step: int, loss: float, norm: float, m: dict, evaluated: str) -> str:
+        """`step 119 | loss | lr | gnorm | tok/s | ms | TFLOPs (MFU) | memory | done / elapsed /
+        ETA | world`: the figures a person watching the run wants, on one line."""
+        total, done = self.cfg.train.steps, self.step
+        elapsed = time.perf_counter() - self._started[0]
+        eta = m["perf/step_ms"] / 1000 * (total - done)  # at the latest rate
+        mfu = f" MFU {m['perf/mfu']:.1%}" if "perf/mfu" in m else ""
+        return (
+            f"step {step:5d} | loss {loss:.4f}{evaluated} | lr {m['train/lr']:.2e} | "
+            f"gnorm {norm:.3f} | {m['perf/tokens_per_s']:,.0f} tok/s | "
+            f"{m['perf/step_ms']:.1f} ms | {m['perf/tflops_per_worker']:.3g} TFLOPs/worker{mfu} | "
+            f"mem {memory_text(m)} | {done}/{total} done, {_clock(elapsed)} elapsed, ETA "
+            f"{_clock(eta)} | world {self.world}"
+        )
 
     def print0(self, msg: str) -> None:
         if self.rank == 0:
             print(msg, flush=True)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """The measured peak of this worker: the device's max_memory_allocated (and its size) on
+    CUDA; on a CPU, the process's resident-set high-water mark (everything the process holds:
+    Python, torch, the data loader), not only tensors."""
+    if device.type == "cuda":
+        return {
+            "mem/device_max_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
+            "mem/device_total_bytes": float(torch.cuda.get_device_properties(device).total_memory),
+        }
+    import resource  # noqa: PLC0415 -- POSIX only; a CPU worker
+
+    return {"mem/rss_peak_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+
+
+def memory_text(m: dict) -> str:
+    if "mem/device_max_allocated_bytes" in m:
+        used, total = m["mem/device_max_allocated_bytes"], m["mem/device_total_bytes"]
+        return f"{used / 2**30:.2f} GiB ({used / total:.0%} of {total / 2**30:.0f})"
+    return f"{m['mem/rss_peak_bytes'] / 2**30:.2f} GiB RSS peak"
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def evaluate(

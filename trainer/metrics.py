@@ -204,8 +204,8 @@ def step_metrics(
     param_dtype: str,
 ) -> dict[str, float]:
     """The loop's figures of one step: train/* and perf/* (tokens/s, step time, TFLOPs per worker,
-    MFU where the device's peak is known), the world size, and the device's own peak memory on
-    CUDA. The engine adds its comm/* and mem/* (FSDPModel.metrics)."""
+    MFU where the device's peak is known) and the world size. The engine adds its comm/* and
+    mem/* (FSDPModel.metrics); the loop the measured peak (trainer/loop.py memory_metrics)."""
     tokens_per_s = tokens / seconds
     m = {
         "train/loss": loss,
@@ -219,6 +219,4 @@ def step_metrics(
     peak = peak_flops(device, param_dtype)
     if peak:
         m["perf/mfu"] = m["perf/tflops_per_worker"] * 1e12 / peak
-    if device.type == "cuda":
-        m["mem/device_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(device))
     return m
