@@ -31,6 +31,9 @@ _STATE_NUMBER_MIN = {"optim_step": 0.0, "lr": -math.inf}
 _STATE_OBJECTS = ("model_config", "grad_scaler", "data", "tokenizer")  # an object or null
 _STATE_STRINGS = ("strategy", "model_digest")
 _STATE_OPTIONAL_STRINGS = ("rng_cpu", "imported_from")
+# For the record only (inspect shows them; older checkpoints lack them): a number or null each.
+_STATE_OPTIONAL_INT_MIN = {"tokens_seen": 0}
+_STATE_OPTIONAL_NUMBERS = ("loss",)
 _TRAINER_MARK = "model_digest"
 _TRAINER_REQUIRED = ("step", "global_batch_size", "optim_step")
 
@@ -84,6 +87,15 @@ def check_state(state: dict, step: int, where: str) -> None:
     for key in _STATE_OPTIONAL_STRINGS:
         v = state.get(key)
         _expect(v is None or isinstance(v, str), where, f"state.{key}", v, "a string or null")
+    for key, lo in _STATE_OPTIONAL_INT_MIN.items():
+        v = state.get(key)
+        ok = v is None or (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= INT64_MAX)
+        _expect(ok, where, f"state.{key}", v, f"an integer in [{lo}, {INT64_MAX}] or null")
+    for key in _STATE_OPTIONAL_NUMBERS:
+        v = state.get(key)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok = v is None or (number and math.isfinite(v))
+        _expect(ok, where, f"state.{key}", v, "a finite number or null")
     if state.get("rng_cpu") is not None:
         try:
             b64decode(state["rng_cpu"], validate=True)
