@@ -14,7 +14,9 @@ Hydra's basic launcher runs the jobs one after another in this process; `SweepCa
 - one MLflow parent run per sweep; each job's run is its child (cluster/train.py reads the
   parent's id from PARENT_RUN_ENV) and is named after the job's swept values;
 - after the last job, the comparison report (cluster/report.py) is printed and logged to the
-  parent, and the parent is ended FINISHED, or FAILED if a job failed.
+  parent, the parent is tagged with the fastest job (sweep/winner: the job's swept values, with
+  sweep/within_noise and sweep/too_short saying how far to trust it), and the parent is ended
+  FINISHED, or FAILED if a job failed.
 
 Each job of a sweep gets its own Ray run name (`sweep_run_name`), so its checkpoints never mix
 with another job's: a job never resumes from its neighbour's checkpoint. Launching the same sweep
@@ -144,9 +146,7 @@ def checked_jobs(
         try:
             composed = task_config(loader.load_sweep_config(config, list(overrides)))
             run_name = sweep_run_name(composed.cluster.run_name, slot)
-            cfg = checked_config(composed, launch_dir, run_name)
-            preflight(cfg, log=lambda *_: None)  # the data intact, the storage writable
-            cfgs.append(cfg)
+            cfgs.append(checked_config(composed, launch_dir, run_name))
         except (ConfigError, HydraException, OmegaConfBaseException) as e:
             # Hydra's config search path is noise here
             message = str(e).split("\nConfig search path:")[0].rstrip()
@@ -163,10 +163,18 @@ def checked_jobs(
 def checked_jobs_of(dictcfgs: list[DictConfig], launch_dir: str) -> list[JobConfig]:
     """JobConfigs of composed configs (no sweep slot), or exit 2 with the first error."""
     try:
-        cfgs = [checked_config(d, launch_dir) for d in dictcfgs]
+        return [checked_config(d, launch_dir) for d in dictcfgs]
+    except (ConfigError, OmegaConfBaseException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def preflight_all(cfgs: list[JobConfig]) -> None:
+    """Every job's preflight (the data intact, the storage writable: a probe write), or exit 2
+    with the first error: nothing has started."""
+    try:
         for cfg in cfgs:
-            preflight(cfg, log=lambda *_: None)  # the data intact, the storage writable
-        return cfgs
+            preflight(cfg, log=lambda *_: None)
     except (ConfigError, OmegaConfBaseException) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -252,6 +260,7 @@ class SweepCallback(Callback):
                 f"sweep: {len(jobs)} jobs checked ({', '.join(keys) or 'no key'} swept)", flush=True
             )
         check_one_tracking(cfgs)
+        preflight_all(cfgs)  # after every check that writes nothing: a refused sweep leaves no file
         connect_largest(cfgs)
         os.environ[SWEPT_KEYS_ENV] = ",".join(keys)
         self.sweep_dir = os.path.abspath(config.hydra.sweep.dir)
