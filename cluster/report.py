@@ -5,13 +5,17 @@ parent.
     python -m cluster.report 3f2a...c1 --out report/            # a sweep's parent run id
     python -m cluster.report elastic-fsdp --tracking-uri http://mlflow:5000
 
-One row per child run: strategy, world size, tokens/s and step time (medians over the logged
-steps after the first, which carries the warm-up), peak memory per rank (the engine's accounted
-peak, mem/peak_total_bytes: parameters, gradients, optimizer state, gathered buffers; on GPU runs
-also the device's max allocated, activations included), bytes moved per step per rank
-(comm/total_bytes) and the final loss.
-Plots: loss against step for every run, tokens/s by strategy, memory by strategy. An experiment
-without sweeps is reported run by run (there is then no parent to log to).
+One row per child run: strategy, world size, tokens/s and step time (median, with the p10-p90
+spread, over the logged steps after the warm-up: cluster/summary.py, the numbers finish_tracking
+logs as summary/*), the steps measured, peak memory per rank (the engine's accounted peak,
+mem/peak_total_bytes: parameters, gradients, optimizer state, gathered buffers; on GPU runs also
+the device's max allocated, activations included), bytes moved per step per rank
+(comm/total_bytes) and the final loss. Under the table: the fastest finished run by median
+tokens/s, and a warning when its p10-p90 overlaps another run's (the ranking is within the noise)
+or when a run is too short or too noisy to rank. The parent run is tagged with the fastest
+(sweep/winner).
+Plots: loss against step for every run, tokens/s by strategy (p10-p90 error bars), memory by
+strategy. An experiment without sweeps is reported run by run (there is then no parent to log to).
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ import argparse
 import csv
 import math
 import os
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
+from cluster.summary import MAX_SPREAD, MIN_MEASURED_STEPS, WARMUP_STEPS, Spread, run_stats
 from cluster.tracking import resolve_tracking_uri
 
 PLOT_SIZE_PX = (800, 500)
@@ -49,6 +53,7 @@ class RunSummary:
     strategy: str
     world_size: str
     tokens_per_s: float
+    """Median after the warm-up, as step_ms and bytes_per_step."""
     step_ms: float
     peak_memory_bytes: float
     """The engine's accounted peak (parameters, gradients, optimizer state, gathered buffers)."""
@@ -58,6 +63,17 @@ class RunSummary:
     bytes_per_step: float
     final_loss: float
     loss_curve: list = field(default_factory=list)  # [(step, loss)]
+    tokens_per_s_p10: float = math.nan
+    tokens_per_s_p90: float = math.nan
+    step_ms_p10: float = math.nan
+    step_ms_p90: float = math.nan
+    steps_measured: int = 0
+    too_short: str = ""
+    """Why this run is too short or too noisy to rank strategies; empty when it is not."""
+
+    @property
+    def tokens(self) -> Spread:
+        return Spread(self.tokens_per_s, self.tokens_per_s_p10, self.tokens_per_s_p90)
 
 
 @dataclass
@@ -65,6 +81,7 @@ class Report:
     parent_run_id: Optional[str]
     rows: list
     table: str
+    verdict: Verdict
     files: list  # absolute paths of everything written
 
 
@@ -125,10 +142,12 @@ def child_runs(client, parent) -> list:
 
 
 def summarize(client, run) -> RunSummary:
+    """A run's row, from its metric history with the warm-up rule of cluster/summary.py."""
+
     def history(key: str) -> list[tuple[int, float]]:
         return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
 
-    loss = history("train/loss")
+    stats = run_stats(history)
     tags = run.data.tags
     return RunSummary(
         run_id=run.info.run_id,
@@ -136,22 +155,83 @@ def summarize(client, run) -> RunSummary:
         status=run.info.status,
         strategy=tags.get("strategy", "?"),
         world_size=tags.get("world_size", "?"),
-        tokens_per_s=steady(history("perf/tokens_per_s")),
-        step_ms=steady(history("perf/step_ms")),
-        peak_memory_bytes=max((v for _, v in history("mem/peak_total_bytes")), default=math.nan),
-        device_peak_bytes=max(
-            (v for _, v in history("mem/device_max_allocated_bytes")), default=math.nan
-        ),
-        bytes_per_step=steady(history("comm/total_bytes")),
-        final_loss=loss[-1][1] if loss else math.nan,
-        loss_curve=loss,
+        tokens_per_s=stats.tokens_per_s.median,
+        step_ms=stats.step_ms.median,
+        peak_memory_bytes=stats.peak_memory_bytes,
+        device_peak_bytes=stats.device_peak_bytes,
+        bytes_per_step=stats.bytes_per_step,
+        final_loss=stats.final_loss,
+        loss_curve=history("train/loss"),
+        tokens_per_s_p10=stats.tokens_per_s.p10,
+        tokens_per_s_p90=stats.tokens_per_s.p90,
+        step_ms_p10=stats.step_ms.p10,
+        step_ms_p90=stats.step_ms.p90,
+        steps_measured=stats.steps_measured,
+        too_short=stats.too_short() or "",
     )
 
 
-def steady(points: Sequence[tuple[int, float]]) -> float:
-    """Median over the steps after the first (warm-up: first gathers, allocator growth)."""
-    values = [v for _, v in points[1:]] or [v for _, v in points]
-    return statistics.median(values) if values else math.nan
+# ---- which is fastest, and can it be told ------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    winner: Optional[RunSummary]
+    """The finished run with the highest median tokens/s; None when no run finished with one."""
+    within_noise: list
+    """The other finished runs whose tokens/s p10-p90 overlaps the winner's."""
+    too_short: list
+    """Runs too short or too noisy to rank strategies (RunSummary.too_short)."""
+
+    def lines(self) -> list[str]:
+        """What the table alone does not say: the fastest run, and how far to trust that."""
+        if self.winner is None:
+            return ["fastest: none (no finished run logged tokens/s)"]
+        w = self.winner
+        lines = [
+            f"fastest: {w.name} ({w.strategy}), {w.tokens_per_s:,.0f} tokens/s median "
+            f"(p10-p90 {w.tokens_per_s_p10:,.0f}-{w.tokens_per_s_p90:,.0f})"
+        ]
+        if self.within_noise:
+            names = ", ".join(r.name for r in self.within_noise)
+            ranges = "range of" if len(self.within_noise) == 1 else "ranges of"
+            overlap = "overlaps" if len(self.within_noise) == 1 else "overlap"
+            lines.append(
+                f"warning: the ranking is within the noise: the tokens/s p10-p90 {ranges} {names} "
+                f"{overlap} {w.name}'s; measure more steps (train.steps) before choosing"
+            )
+        for r in self.too_short:
+            lines.append(
+                f"warning: {r.name} is too short or too noisy to rank strategies ({r.too_short})"
+            )
+        return lines
+
+
+def verdict(rows: list[RunSummary]) -> Verdict:
+    """Rank the finished runs by median tokens/s (higher is faster)."""
+    ranked = sorted(
+        (r for r in rows if r.status == "FINISHED" and not math.isnan(r.tokens_per_s)),
+        key=lambda r: r.tokens_per_s,
+        reverse=True,
+    )
+    if not ranked:
+        return Verdict(None, [], [r for r in rows if r.too_short])
+    winner = ranked[0]
+    noise = [r for r in ranked[1:] if r.tokens.overlaps(winner.tokens)]
+    return Verdict(winner, noise, [r for r in rows if r.too_short])
+
+
+def winner_tags(v: Verdict) -> dict[str, str]:
+    """The parent run's sweep/* tags: which child won, and whether that can be trusted."""
+    if v.winner is None:
+        return {"sweep/winner": "none"}
+    return {
+        "sweep/winner": v.winner.name,
+        "sweep/winner_strategy": v.winner.strategy,
+        "sweep/winner_run_id": v.winner.run_id,
+        "sweep/within_noise": str(bool(v.within_noise)).lower(),
+        "sweep/too_short": str(bool(v.too_short)).lower(),
+    }
 
 
 # ---- the table -------------------------------------------------------------------------------
@@ -160,8 +240,9 @@ COLUMNS = (
     "run",
     "strategy",
     "world",
-    "tokens/s",
-    "step ms",
+    "tokens/s (p10-p90)",
+    "step ms (p10-p90)",
+    "steps",
     "peak mem MiB",
     "MiB moved/step",
     "final loss",
@@ -171,9 +252,10 @@ DEVICE_COLUMN = "device peak MiB"
 
 
 def format_table(rows: list[RunSummary]) -> str:
-    """Aligned plain text; a device-memory column is added when some run measured it (GPU)."""
+    """Aligned plain text; a device-memory column is added when some run measured it (GPU).
+    A run too short or too noisy to rank strategies has a `*` after its steps."""
     with_device = any(not math.isnan(r.device_peak_bytes) for r in rows)
-    head = COLUMNS[:6] + ((DEVICE_COLUMN,) if with_device else ()) + COLUMNS[6:]
+    head = COLUMNS[:7] + ((DEVICE_COLUMN,) if with_device else ()) + COLUMNS[7:]
     cells = [head]
     for r in rows:
         device = (_num(r.device_peak_bytes / MiB, ".1f"),) if with_device else ()
@@ -182,8 +264,9 @@ def format_table(rows: list[RunSummary]) -> str:
                 r.name,
                 r.strategy,
                 r.world_size,
-                _num(r.tokens_per_s, ",.0f"),
-                _num(r.step_ms, ".1f"),
+                _spread(r.tokens_per_s, r.tokens_per_s_p10, r.tokens_per_s_p90, ",.0f"),
+                _spread(r.step_ms, r.step_ms_p10, r.step_ms_p90, ".1f"),
+                f"{r.steps_measured}{'*' if r.too_short else ''}",
                 _num(r.peak_memory_bytes / MiB, ".2f"),
                 *device,
                 _num(r.bytes_per_step / MiB, ".2f"),
@@ -204,13 +287,42 @@ def _num(value: float, spec: str) -> str:
     return "-" if value is None or math.isnan(value) else format(value, spec)
 
 
+def _spread(median: float, p10: float, p90: float, spec: str) -> str:
+    """'1,136 (1,050-1,200)'; '-' when nothing was measured."""
+    if math.isnan(median):
+        return "-"
+    if math.isnan(p10) or math.isnan(p90):
+        return format(median, spec)
+    return f"{format(median, spec)} ({format(p10, spec)}-{format(p90, spec)})"
+
+
+def table_notes(rows: list[RunSummary]) -> list[str]:
+    """How the table's numbers were taken, and what `*` means."""
+    notes = [
+        f"medians and p10-p90 over the logged steps after the first {WARMUP_STEPS} (warm-up; "
+        "at most half of a run's logged steps)"
+    ]
+    if any(r.too_short for r in rows):
+        notes.append(
+            f"* too short or too noisy to rank strategies (fewer than {MIN_MEASURED_STEPS} "
+            f"steps measured, or a step-time p10-p90 wider than {MAX_SPREAD:.0%} of its median)"
+        )
+    return notes
+
+
 CSV_FIELDS = (
     "run_id",
     "name",
     "strategy",
     "world_size",
     "tokens_per_s",
+    "tokens_per_s_p10",
+    "tokens_per_s_p90",
     "step_ms",
+    "step_ms_p10",
+    "step_ms_p90",
+    "steps_measured",
+    "too_short",
     "peak_memory_bytes",
     "device_peak_bytes",
     "bytes_per_step",
@@ -273,12 +385,35 @@ def plot_loss_curves(curves: dict[str, list[tuple[int, float]]], path: str, titl
     return path
 
 
-def plot_bars(labels: list[str], values: list[float], ylabel: str, title: str, path: str) -> str:
+def plot_bars(
+    labels: list[str],
+    values: list[float],
+    ylabel: str,
+    title: str,
+    path: str,
+    ranges: Optional[list[tuple[float, float]]] = None,
+) -> str:
+    """One bar per run; `ranges` [(p10, p90)] draws them as error bars around each value."""
     plt, fig = _figure()
     ax = fig.add_subplot()
     heights = [0.0 if math.isnan(v) else v for v in values]
-    bars = ax.bar(range(len(labels)), heights, color=[f"C{i}" for i in range(len(labels))])
-    ax.bar_label(bars, labels=[_num(v, ",.1f") for v in values], fontsize="small")
+    yerr = None
+    if ranges is not None:
+        below = [_gap(v - lo) for v, (lo, _) in zip(values, ranges)]
+        above = [_gap(hi - v) for v, (_, hi) in zip(values, ranges)]
+        yerr = [below, above]
+    bars = ax.bar(
+        range(len(labels)),
+        heights,
+        yerr=yerr,
+        capsize=6,
+        color=[f"C{i}" for i in range(len(labels))],
+    )
+    # Inside the bar when error bars stand on its top.
+    label_type = "edge" if ranges is None else "center"
+    ax.bar_label(
+        bars, labels=[_num(v, ",.1f") for v in values], fontsize="small", label_type=label_type
+    )
     ax.set_xticks(range(len(labels)), labels, fontsize="small")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -287,6 +422,10 @@ def plot_bars(labels: list[str], values: list[float], ylabel: str, title: str, p
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
     return path
+
+
+def _gap(x: float) -> float:
+    return 0.0 if math.isnan(x) else max(0.0, x)
 
 
 def bar_labels(rows: list[RunSummary]) -> list[str]:
@@ -306,9 +445,10 @@ def write_plots(rows: list[RunSummary], out: Path) -> list[str]:
         plot_bars(
             labels,
             [r.tokens_per_s for r in rows],
-            "tokens/s (median)",
+            "tokens/s (median, p10-p90 bars)",
             "throughput by strategy",
             str(out / "tokens_per_s_by_strategy.png"),
+            ranges=[(r.tokens_per_s_p10, r.tokens_per_s_p90) for r in rows],
         ),
         plot_bars(
             labels,
@@ -324,7 +464,8 @@ def write_plots(rows: list[RunSummary], out: Path) -> list[str]:
 
 
 def write_report(tracking_uri: str, target: str, out_dir: str) -> Report:
-    """Print the table, write table, CSV and plots to out_dir, log them to the parent run."""
+    """Print the table and the verdict, write them, the CSV and the plots to out_dir, log them to
+    the parent run and tag it with the fastest run (sweep/winner)."""
     from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
 
     client = MlflowClient(tracking_uri)
@@ -333,24 +474,32 @@ def write_report(tracking_uri: str, target: str, out_dir: str) -> Report:
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(rows)
+    decision = verdict(rows)
+    below = "\n".join(table_notes(rows) + [""] + decision.lines())
     head = (
         f"sweep {parent.info.run_name!r} (parent run {parent.info.run_id})"
         if parent
         else f"experiment {target!r}"
     )
-    (out / "report.txt").write_text(f"{head}\n\n{table}\n")
+    (out / "report.txt").write_text(f"{head}\n\n{table}\n\n{below}\n")
     write_csv(rows, out / "report.csv")
     files = [str(out / "report.txt"), str(out / "report.csv"), *write_plots(rows, out)]
-    print(f"{head}, {len(rows)} runs, tracking URI {tracking_uri}\n\n{table}\n")
+    print(f"{head}, {len(rows)} runs, tracking URI {tracking_uri}\n\n{table}\n\n{below}\n")
     if parent is not None:
         for path in files:
             client.log_artifact(parent.info.run_id, path, artifact_path="report")
+        for key, value in winner_tags(decision).items():
+            client.set_tag(parent.info.run_id, key, value)
+        if decision.winner is not None:
+            client.log_metric(
+                parent.info.run_id, "sweep/winner_tokens_per_s_median", decision.winner.tokens_per_s
+            )
     print(
         f"report: {out} ({', '.join(Path(f).name for f in files)})"
         + (f", also logged to run {parent.info.run_id} under report/" if parent else ""),
         flush=True,
     )
-    return Report(parent.info.run_id if parent else None, rows, table, files)
+    return Report(parent.info.run_id if parent else None, rows, table, decision, files)
 
 
 def tracking_uri_for(arg: Optional[str]) -> str:

@@ -10,8 +10,9 @@ are child runs of one parent (`create_sweep_run`, `create_run(parent_run_id=...)
     end_run(uri, run_id, ok=True)
 
 A job of cluster/train.py does the same in two steps: `start_tracking` creates the run and logs
-the resolved config and the memory plan as artifacts; `finish_tracking` logs the loss curve and
-ends the run.
+the resolved config and the memory plan as artifacts; `finish_tracking` logs the run's summary
+(summary/*: medians and p10-p90 after the warm-up, cluster/summary.py), the loss curve, and ends
+the run.
 
 MLflow is imported inside the functions that talk to it: `import mlflow` costs seconds, and the
 CLI refuses a bad config, or runs with tracking off, without paying for it.
@@ -31,6 +32,7 @@ import psutil
 from omegaconf import OmegaConf
 
 from cluster.ray_launch import ray_address
+from cluster.summary import RunStats, describe, run_stats
 from trainer.metrics import MLflowLogger
 
 if TYPE_CHECKING:  # annotations only: both modules import this one
@@ -309,9 +311,13 @@ def device_memory(cfg: JobConfig) -> tuple[Optional[int], str]:
 def finish_tracking(
     cfg: JobConfig, run_id: str, slot: Optional[JobSlot], out_dir: str, ok: bool
 ) -> None:
-    """Log the loss curve (also of a failed run: it shows where it failed, written to `out_dir`
-    too), then end the run."""
+    """Log the run's summary and its loss curve (also of a failed run: they show what it measured
+    and where it failed; the curve is written to `out_dir` too), then end the run."""
     uri = cfg.tracking.tracking_uri
+    try:
+        log_summary(uri, run_id)
+    except Exception as e:  # never hide the training's own outcome behind a summary error
+        print(f"mlflow: summary not logged ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     try:
         losses = metric_history(uri, run_id, "train/loss")
         if losses:
@@ -333,3 +339,28 @@ def finish_tracking(
         )
     finally:
         end_run(uri, run_id, ok=ok)
+
+
+def log_summary(tracking_uri: str, run_id: str) -> Optional[RunStats]:
+    """summary/* metrics and the summary/too_short tag of a run, from its own per-step history:
+    one value per key, so MLflow's runs table, Compare, scatter and parallel-coordinates plots
+    show the medians a strategy is chosen by. Warns when the run is too short or too noisy to
+    rank strategies. None (nothing logged) when the run logged no step."""
+    steps = metric_history(tracking_uri, run_id, "perf/step_ms")
+    if not steps:
+        print("mlflow: no summary (the run logged no step)", flush=True)
+        return None
+    stats = run_stats(lambda key: metric_history(tracking_uri, run_id, key))
+    logger = MLflowLogger(tracking_uri, run_id)
+    logger.log_metrics(stats.metrics(), step=steps[-1][0])
+    logger.set_tags(stats.tags())
+    print(f"summary: {describe(stats)}", flush=True)
+    reason = stats.too_short()
+    if reason:
+        print(
+            f"warning: run {run_id} is too short or too noisy to rank strategies ({reason}); "
+            "measure more steps (train.steps), on a machine doing nothing else, before choosing",
+            file=sys.stderr,
+            flush=True,
+        )
+    return stats

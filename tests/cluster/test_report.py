@@ -1,6 +1,6 @@
 """cluster/report.py on a sqlite store filled with known metrics (no Ray): the numbers in the
-table, the files, the images, and which runs a target names. The report on a real sweep is in
-test_sweep.py."""
+table, the fastest run and whether it is within the noise, the files, the images, and which runs
+a target names. The report on a real sweep is in test_sweep.py."""
 
 from __future__ import annotations
 
@@ -16,19 +16,22 @@ from cluster.report import (
     PLOT_SIZE_PX,
     REPORT_FILES,
     RunSummary,
+    Verdict,
     find_runs,
     format_table,
     main,
     summarize,
+    verdict,
     write_report,
 )
+from cluster.summary import WARMUP_STEPS
 from cluster.tracking import create_run, create_sweep_run, end_run
 from trainer.metrics import MLflowLogger
 
 MiB = 2**20
 EXPERIMENT = "report-test"
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-STEPS = 5
+STEPS = 8  # 3 warm-up steps, 5 measured: too short to rank (fewer than 10)
 
 
 def log_job(store: str, parent: str, num: int, strategy: str) -> str:
@@ -45,7 +48,7 @@ def log_job(store: str, parent: str, num: int, strategy: str) -> str:
     logger = MLflowLogger(store, run_id)
     k = num + 1
     for step in range(STEPS):
-        warm = step == 0  # the first step is slow: the report must leave it out
+        warm = step < WARMUP_STEPS  # slow: the report must leave them out
         logger.log_metrics(
             {
                 "train/loss": 5.0 - 0.5 * step - 0.1 * num,
@@ -78,7 +81,7 @@ def sweeps(store):
     return parent, children
 
 
-def test_a_row_holds_medians_after_the_first_step_the_peak_and_the_last_loss(store, sweeps):
+def test_a_row_holds_medians_and_spreads_after_the_warmup_the_peak_and_the_last_loss(store, sweeps):
     parent, children = sweeps
     client = MlflowClient(store)
     found_parent, runs = find_runs(client, parent)
@@ -91,8 +94,13 @@ def test_a_row_holds_medians_after_the_first_step_the_peak_and_the_last_loss(sto
             STRATEGIES[num],
             "2",
         )
-        assert row.tokens_per_s == pytest.approx(250.0 * k)  # median of 100k..400k, step 0 left out
-        assert row.step_ms == pytest.approx(25.0 * k)
+        # steps 3..7 measured: 300k..700k tokens/s, the warm-up left out
+        assert row.tokens_per_s == pytest.approx(500.0 * k)
+        assert (row.tokens_per_s_p10, row.tokens_per_s_p90) == pytest.approx((340.0 * k, 660.0 * k))
+        assert row.step_ms == pytest.approx(50.0 * k)
+        assert (row.step_ms_p10, row.step_ms_p90) == pytest.approx((34.0 * k, 66.0 * k))
+        assert row.steps_measured == STEPS - WARMUP_STEPS
+        assert row.too_short.startswith("5 steps measured after 3 warm-up")
         assert row.peak_memory_bytes == pytest.approx(k * MiB)
         assert row.bytes_per_step == pytest.approx(2.0 * k * MiB)
         assert row.final_loss == pytest.approx(5.0 - 0.5 * (STEPS - 1) - 0.1 * num)
@@ -114,30 +122,52 @@ def test_report_prints_the_table_writes_the_files_and_logs_them_to_the_parent(
             "sharding=full_shard",
             "FULL_SHARD",
             "2",
-            "250",
-            "25.0",
+            "500",
+            "(340-660)",
+            "50.0",
+            "(34.0-66.0)",
+            "5*",
             "1.00",
             "2.00",
-            "3.0000",
+            "1.5000",
             "FINISHED",
         ],
         [
             "sharding=shard_grad_op",
             "SHARD_GRAD_OP",
             "2",
-            "500",
-            "50.0",
+            "1,000",
+            "(680-1,320)",
+            "100.0",
+            "(68.0-132.0)",
+            "5*",
             "2.00",
             "4.00",
-            "2.9000",
+            "1.4000",
             "FINISHED",
         ],
-        ["sharding=no_shard", "NO_SHARD", "2", "750", "75.0", "3.00", "6.00", "2.8000", "FINISHED"],
+        [
+            "sharding=no_shard",
+            "NO_SHARD",
+            "2",
+            "1,500",
+            "(1,020-1,980)",
+            "150.0",
+            "(102.0-198.0)",
+            "5*",
+            "3.00",
+            "6.00",
+            "1.3000",
+            "FINISHED",
+        ],
     ]
+    assert "fastest: sharding=no_shard (NO_SHARD), 1,500 tokens/s median" in printed
+    assert "the ranking is within the noise" in printed and "too short or too noisy" in printed
     assert sorted(p.rsplit("/", 1)[1] for p in report.files) == sorted(REPORT_FILES)
     with open(tmp_path / "out" / "report.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [float(r["tokens_per_s"]) for r in rows] == [250.0, 500.0, 750.0]
+    assert [float(r["tokens_per_s"]) for r in rows] == [500.0, 1000.0, 1500.0]
+    assert [float(r["tokens_per_s_p10"]) for r in rows] == [340.0, 680.0, 1020.0]
     logged = {a.path for a in MlflowClient(store).list_artifacts(parent, "report")}
     assert logged == {f"report/{name}" for name in REPORT_FILES}
 
@@ -205,10 +235,54 @@ def test_the_table_shows_device_memory_only_when_measured_and_a_dash_when_missin
         "2",
         "1,000",
         "5.0",
+        "0",
         "1.00",
         "-",
         "-",
         "3.0000",
         "FINISHED",
     ]
-    assert table[3].split()[6] == "10.0"
+    assert table[3].split()[7] == "10.0"
+
+
+def test_the_parent_is_tagged_with_the_fastest_child_and_the_noise(store, sweeps, tmp_path):
+    parent, children = sweeps
+    write_report(store, parent, str(tmp_path))
+    run = MlflowClient(store).get_run(parent)
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith("sweep/")}
+    assert tags == {
+        "sweep/winner": "sharding=no_shard",
+        "sweep/winner_strategy": "NO_SHARD",
+        "sweep/winner_run_id": children[2],
+        "sweep/within_noise": "true",  # shard_grad_op's 680-1,320 overlaps 1,020-1,980
+        "sweep/too_short": "true",
+    }
+    assert run.data.metrics["sweep/winner_tokens_per_s_median"] == 1500.0
+
+
+def row(name: str, status: str, median: float, p10: float, p90: float) -> RunSummary:
+    return RunSummary(
+        name,
+        name,
+        status,
+        "FULL_SHARD",
+        "2",
+        median,
+        1.0,
+        MiB,
+        math.nan,
+        MiB,
+        1.0,
+        tokens_per_s_p10=p10,
+        tokens_per_s_p90=p90,
+        steps_measured=20,
+    )
+
+
+def test_the_fastest_is_the_highest_finished_median_and_noise_is_an_overlap():
+    a, b = row("a", "FINISHED", 100.0, 95.0, 105.0), row("b", "FINISHED", 120.0, 110.0, 130.0)
+    failed = row("c", "FAILED", 500.0, 490.0, 510.0)  # a failed run is never the winner
+    assert verdict([a, b, failed]) == Verdict(b, [], [])
+    close = row("d", "FINISHED", 108.0, 104.0, 112.0)  # its p90 reaches b's p10
+    assert verdict([a, b, close]).within_noise == [close]
+    assert verdict([failed]).winner is None

@@ -147,6 +147,48 @@ def test_every_metric_has_one_value_per_logged_step(sweep):
         assert child.data.metrics["elastic/world_size"] == 2.0
 
 
+def test_each_child_ends_with_its_summary_and_the_parent_names_the_fastest(sweep):
+    """finish_tracking logs summary/* from the run's own history; 3 logged steps leave 1 out as
+    warm-up, 2 measured: too short to rank, tagged so. The parent's sweep/winner is the child with
+    the highest median tokens/s."""
+    _, output, client, runs = sweep
+    (parent,), children = parent_and_children(runs)
+    medians = {}
+    for child in children:
+        run_id, metrics = child.info.run_id, child.data.metrics
+        assert {
+            "summary/tokens_per_s_median",
+            "summary/tokens_per_s_p10",
+            "summary/tokens_per_s_p90",
+            "summary/step_ms_median",
+            "summary/step_ms_p10",
+            "summary/step_ms_p90",
+            "summary/tflops_median",
+            "summary/peak_memory_gib",
+            "summary/bytes_per_step_mib",
+            "summary/final_loss",
+        } <= set(metrics), sorted(metrics)
+        assert (metrics["summary/steps_warmup"], metrics["summary/steps_measured"]) == (1.0, 2.0)
+        tokens = [
+            m.value
+            for m in sorted(
+                client.get_metric_history(run_id, "perf/tokens_per_s"), key=lambda m: m.step
+            )
+        ]
+        assert metrics["summary/tokens_per_s_median"] == pytest.approx(sum(tokens[1:]) / 2)
+        assert metrics["summary/final_loss"] == metrics["train/loss"]
+        assert metrics["summary/peak_memory_gib"] * 2**30 == pytest.approx(
+            max(m.value for m in client.get_metric_history(run_id, "mem/peak_total_bytes"))
+        )
+        assert child.data.tags["summary/too_short"] == "true"
+        medians[child.info.run_name] = metrics["summary/tokens_per_s_median"]
+    tags = client.get_run(parent.info.run_id).data.tags  # tagged after the fixture's search
+    assert tags["sweep/winner"] == max(medians, key=medians.get)
+    assert tags["sweep/too_short"] == "true"
+    assert "too short or too noisy to rank strategies" in output
+    assert "fastest: " in output
+
+
 def test_children_carry_git_commit_device_and_their_artifacts(sweep):
     _, _, client, runs = sweep
     _, children = parent_and_children(runs)
