@@ -109,6 +109,11 @@ class ClusterConfig:
     lease_ttl_s: float = 120.0
     """The run lease expires this long after its holder's last heartbeat (every ttl / 4): a
     crashed driver's run can be resumed by a new launch after at most this long."""
+    verbose: bool = False
+    """Also print the libraries' INFO chatter (cluster/logs.py): Ray Train's lines (a line per
+    report per rank, the worker group's start), Ray's token-auth note, MLflow's system-metrics
+    monitor and database set-up, matplotlib's font manager. Off: a healthy run prints only its
+    own progress, notes and any warnings and errors."""
 
     def validate(self) -> None:
         for key in ("num_workers",) + (("min_workers", "max_workers") if self.elastic else ()):

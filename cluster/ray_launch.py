@@ -7,6 +7,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from cluster.logs import quiet_ray_driver, ray_train_logging
+
 if TYPE_CHECKING:  # annotations only: cluster.config imports cluster.tracking, which imports this
     from cluster.config import ClusterConfig, JobConfig
 
@@ -34,6 +36,7 @@ def connect(cluster: ClusterConfig) -> None:
     # Ray Train V2 routes worker print() through its logger and, when stdout is wrapped, also
     # to stdout: every step line would show twice. Ray propagates this to the workers.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    quiet_ray_driver(cluster.verbose)
     address = ray_address(cluster)
     if address:
         ray.init(address=address)
@@ -65,12 +68,17 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     checkpoints, the loop its checkpoint folder."""
     import ray.train.torch  # noqa: PLC0415 -- ray costs seconds to import: only to run a job
 
-    from cluster.elastic import ClusterView, SigtermCallback  # noqa: PLC0415 -- imports ray
+    from cluster.elastic import (  # noqa: PLC0415 -- imports ray
+        ClusterView,
+        SigtermCallback,
+        replace_rays_watcher,
+    )
 
     # cluster.worker imports cluster.config, which imports cluster.tracking, which imports this
     from cluster.worker import train_loop_per_worker  # noqa: PLC0415 -- an import cycle
 
     c = cfg.cluster
+    preemption = replace_rays_watcher()  # Ray's own logs an ERROR line at every group start
     lo, hi = c.world_sizes
     elastic = c.min_workers is not None
     resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
@@ -94,7 +102,10 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             # the real checkpoints with the same count.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[SigtermCallback()]
+            + ([preemption] if preemption else [])
             + ([ClusterView(c.elastic_resize_monitor_interval_s, lo)] if elastic else []),
+            # Ray Train's INFO lines (one per report per rank among them) only when verbose
+            logging_config=ray_train_logging(c.verbose),
         ),
         torch_config=ray.train.torch.TorchConfig(
             backend="nccl" if c.use_gpu else "gloo", timeout_s=int(math.ceil(c.pg_timeout_s))

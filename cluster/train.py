@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config import ConfigError, JobConfig, checked_config, job_to_dict, register_schemas
 from cluster.lease import LeaseHeld, LeaseLost, RunLease
+from cluster.logs import quiet_libraries, tee_to_job_log
 from cluster.preflight import preflight
 from cluster.ray_checkpoint import read_pointer
 from cluster.ray_launch import build_trainer, connect_largest
@@ -48,10 +49,16 @@ register_schemas()
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def hydra_main(dictcfg: DictConfig) -> Optional[dict]:
+    with tee_to_job_log():  # what the console shows also lands in the job's Hydra log file
+        return run_job(dictcfg)
+
+
+def run_job(dictcfg: DictConfig) -> Optional[dict]:
     launch_dir = os.getcwd()  # hydra.job.chdir is false: this is where the user launched
     out_dir = HydraConfig.get().runtime.output_dir  # this job's Hydra outputs
     slot = current_slot()  # this job's place in a sweep; None for a plain run
     cfg, plan = config_or_exit(dictcfg, launch_dir, slot)  # every bad input stops here
+    quiet_libraries(cfg.cluster.verbose)  # the workers do the same (cluster/worker.py)
     lease = lease_or_exit(cfg)  # this launch owns the run name until it ends
     try:
         connect_largest([cfg])  # before the MLflow run exists: an unreachable Ray leaves no run

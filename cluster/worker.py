@@ -16,6 +16,7 @@ from typing import Optional
 
 from cluster.config import job_from_dict
 from cluster.lease import LeaseGuard
+from cluster.logs import quiet_libraries, quiet_ray_worker
 from cluster.ray_checkpoint import read_pointer, report_checkpoint
 from trainer.metrics import MetricsLogger, MLflowLogger, NullLogger, print0, start_system_metrics
 
@@ -59,6 +60,8 @@ def train_loop_per_worker(config: dict) -> None:
     from trainer.loop import WorkerContext, run_training  # noqa: PLC0415 -- imports torch
 
     cfg = job_from_dict(config["job"])
+    quiet_libraries(cfg.cluster.verbose)  # per process: the driver's setting does not reach here
+    quiet_ray_worker(cfg.cluster.verbose)
     launch = LaunchInfo(**config["launch"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
