@@ -89,6 +89,9 @@ class RunStats:
     """Max of mem/peak_total_bytes: the engine's accounted peak per rank, warm-up included."""
     device_peak_bytes: float
     """Max of mem/device_max_allocated_bytes (GPU runs; activations included); NaN on CPU."""
+    rss_peak_bytes: float = math.nan
+    """Max of mem/rss_peak_bytes: rank 0's process resident-set high-water mark (CPU runs:
+    everything the worker holds, not only tensors); NaN on GPU runs."""
     bytes_per_step: float
     """Median of comm/total_bytes after the warm-up: what one rank moves per step."""
     final_loss: float
@@ -126,6 +129,7 @@ class RunStats:
             m["summary/mfu_median"] = self.mfu.median
         m["summary/peak_memory_gib"] = self.peak_memory_bytes / GiB
         m["summary/device_peak_memory_gib"] = self.device_peak_bytes / GiB
+        m["summary/rss_peak_gib"] = self.rss_peak_bytes / GiB
         m["summary/bytes_per_step_mib"] = self.bytes_per_step / MiB
         m["summary/final_loss"] = self.final_loss
         m["summary/eval_loss"] = self.eval_loss
@@ -154,6 +158,7 @@ def run_stats(history: History) -> RunStats:
         mfu=Spread.of(mfu) if mfu else None,
         peak_memory_bytes=_max(history("mem/peak_total_bytes")),
         device_peak_bytes=_max(history("mem/device_max_allocated_bytes")),
+        rss_peak_bytes=_max(history("mem/rss_peak_bytes")),
         bytes_per_step=percentile(after_warmup(history("comm/total_bytes")), 50),
         final_loss=loss[-1][1] if loss else math.nan,
         eval_loss=evals[-1][1] if evals else math.nan,
