@@ -89,7 +89,7 @@ class RunStats:
     """Max of mem/peak_total_bytes: the engine's accounted peak per rank, warm-up included."""
     device_peak_bytes: float
     """Max of mem/device_max_allocated_bytes (GPU runs; activations included); NaN on CPU."""
-    rss_peak_bytes: float = math.nan
+    rss_peak_bytes: float
     """Max of mem/rss_peak_bytes: rank 0's process resident-set high-water mark (CPU runs:
     everything the worker holds, not only tensors); NaN on GPU runs."""
     bytes_per_step: float
