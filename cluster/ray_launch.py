@@ -71,14 +71,12 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     from cluster.elastic import (  # noqa: PLC0415 -- imports ray
         ClusterView,
         SigtermCallback,
-        replace_rays_watcher,
     )
 
     # cluster.worker imports cluster.config, which imports cluster.tracking, which imports this
     from cluster.worker import train_loop_per_worker  # noqa: PLC0415 -- an import cycle
 
     c = cfg.cluster
-    preemption = replace_rays_watcher()  # Ray's own logs an ERROR line at every group start
     lo, hi = c.world_sizes
     elastic = c.min_workers is not None
     resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
@@ -102,7 +100,6 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             # the real checkpoints with the same count.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[SigtermCallback()]
-            + ([preemption] if preemption else [])
             + ([ClusterView(c.elastic_resize_monitor_interval_s, lo)] if elastic else []),
             # Ray Train's INFO lines (one per report per rank among them) only when verbose
             logging_config=ray_train_logging(c.verbose),

@@ -22,8 +22,6 @@ WorkerContext hooks that cluster/worker.py wires up:
   record per worker-group start, from which come elastic/restarts, elastic/recovery_s (the
   failure to the first step after the resume) and elastic/steps_lost, and a line saying where the
   recovery time went. `chain` makes one before_step hook of the tracker's and the drill's.
-- `replace_rays_watcher` (preemption.py, the driver): Ray Train's preemption watcher, started
-  without the ERROR line Ray's own start logs at every worker-group start.
 
 The run folder (run_folder.py) is Ray Train's (<storage_path>/<run_name>, a local path or any
 pyarrow filesystem):
@@ -47,7 +45,6 @@ from cluster.elastic.drain import (
     training,
 )
 from cluster.elastic.faults import DRAIN_ACK_TIMEOUT_S, FAULT_MARKER, FaultInjector
-from cluster.elastic.preemption import replace_rays_watcher
 from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder
 from cluster.elastic.tracker import ATTEMPTS_DIR, ElasticTracker, chain
 
@@ -69,7 +66,6 @@ __all__ = [
     "install_sigterm_handler",
     "leave",
     "preemption_notice",
-    "replace_rays_watcher",
     "training",
     "workers_that_fit",
 ]
