@@ -132,7 +132,7 @@ def test_max_bad_steps_in_a_row_stop_the_run_and_the_checkpoints_stay_finite(cfg
     ranks = run_distributed(_run, 2, cfg, root, {"loss": [3, 4, 5, 6, 7]})
     for r in ranks:
         assert r["bad"] == [3, 4, 5] and r["steps"] == 6
-        assert "training diverged: 3 steps in a row (3 to 5)" in r["error"]
+        assert "training diverged: 3 steps in a row (steps 4 to 6)" in r["error"]  # steps done
     # Saved: step 2 and step 4 (whose updates since step 2 were skipped: still finite); nothing
     # after the stop. Every tensor of every checkpoint is finite and checks out.
     found = {c.step: c for c in list_checkpoints(root)}

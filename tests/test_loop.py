@@ -119,21 +119,23 @@ def test_a_corrupt_shard_on_one_rank_makes_every_rank_fall_back_to_the_previous_
 
 
 STEP_LINE = re.compile(
-    r"^step +(?P<step>\d+) \| loss (?P<loss>[\d.]+) \| lr [\d.e+-]+ \| gnorm [\d.]+ \| "
-    r"(?P<tps>[\d,]+) tok/s \| [\d.]+ ms \| [\d.e+-]+ TFLOPs/worker \| "
-    r"mem (?P<mem>[\d.]+) GiB RSS peak \| (?P<done>\d+)/(?P<total>\d+) done, "
-    r"\d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d \| world 1$"
+    r"^step +(?P<done>\d+)/(?P<total>\d+) \| loss (?P<loss>[\d.]+) \| lr [\d.e+-]+ \| "
+    r"gnorm [\d.]+ \| (?P<tps>[\d,]+) tok/s \| [\d.]+ ms \| [\d.e+-]+ TFLOPs/worker \| "
+    r"mem (?P<mem>[\d.]+) GiB RSS peak \| \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d \| "
+    r"world 1$"
 )
 
 
-def test_the_per_step_line_has_every_figure_and_the_steps_done(cfg, tmp_path):
+def test_the_per_step_line_has_every_figure_and_counts_steps_done(cfg, tmp_path):
+    """ "step N" is N optimizer steps done: the first line says step 1, the last step STEPS, as
+    the checkpoint directory step_{STEPS:09d} does."""
     r = _train(0, 1, cfg, str(tmp_path / "ckpt"), None)
     lines = [line for line in r["printed"].splitlines() if line.startswith("step ")]
     matches = [STEP_LINE.match(line) for line in lines]
     assert lines and all(matches), lines
-    assert [int(m["step"]) for m in matches] == list(range(STEPS))
     assert [int(m["done"]) for m in matches] == list(range(1, STEPS + 1))
     assert all(int(m["total"]) == STEPS and float(m["mem"]) > 0 for m in matches)
     assert [float(m["loss"]) for m in matches] == pytest.approx(
         [loss for _, loss in r["losses"]], abs=1e-4
     )
+    assert r["last"].endswith(f"step_{STEPS:09d}")

@@ -345,12 +345,13 @@ class Trainer:
             self._bad_streak += 1
             self.result.bad_steps.append(step)
             self.print0(
-                f"step {step}: loss {value} or its gradient norm is not finite: update not "
+                f"step {step + 1}: loss {value} or its gradient norm is not finite: update not "
                 f"applied ({self._bad_streak} of train.max_bad_steps={limit} in a row)"
             )
             if self._bad_streak >= limit:
                 raise DivergenceError(
-                    f"training diverged: {limit} steps in a row ({step - limit + 1} to {step}) "
+                    f"training diverged: {limit} steps in a row (steps {step - limit + 2} to "
+                    f"{step + 1}) "
                     f"had a non-finite loss or gradient norm (last loss {value}); none was "
                     f"applied and nothing after step {self.checkpointer.last_good_step()} was "
                     "saved. Lower optim.lr, raise optim.warmup_steps or check the data, then "
@@ -430,21 +431,23 @@ class Trainer:
         if self.ctx.after_step is not None:
             m.update(self.ctx.after_step(step, m) or {})
         m.update(memory_metrics(self.device))
-        self.print0(self.step_line(step, loss, norm, m, evaluated))
-        self.log.log_metrics(m, step=step)
+        self.print0(self.step_line(loss, norm, m, evaluated))
+        self.log.log_metrics(m, step=self.step)  # "step N": N optimizer steps done, everywhere
 
-    def step_line(self, step: int, loss: float, norm: float, m: dict, evaluated: str) -> str:
-        """`step 119 | loss | lr | gnorm | tok/s | ms | TFLOPs (MFU) | memory | done / elapsed /
-        ETA | world`: the figures a person watching the run wants, on one line."""
+    def step_line(self, loss: float, norm: float, m: dict, evaluated: str) -> str:
+        """`step 120/2000 | loss | lr | gnorm | tok/s | ms | TFLOPs (MFU) | memory | elapsed, ETA
+        | world`: the figures a person watching the run wants, on one line. Step N is N optimizer
+        steps done, as in MLflow, the checkpoint directory names and Ray's reports."""
         total, done = self.cfg.train.steps, self.step
         elapsed = time.perf_counter() - self._started[0]
         eta = m["perf/step_ms"] / 1000 * (total - done)  # at the latest rate
         mfu = f" MFU {m['perf/mfu']:.1%}" if "perf/mfu" in m else ""
         return (
-            f"step {step:5d} | loss {loss:.4f}{evaluated} | lr {m['train/lr']:.2e} | "
+            f"step {done:{len(str(total))}d}/{total} | loss {loss:.4f}{evaluated} | "
+            f"lr {m['train/lr']:.2e} | "
             f"gnorm {norm:.3f} | {m['perf/tokens_per_s']:,.0f} tok/s | "
             f"{m['perf/step_ms']:.1f} ms | {m['perf/tflops_per_worker']:.3g} TFLOPs/worker{mfu} | "
-            f"mem {memory_text(m)} | {done}/{total} done, {_clock(elapsed)} elapsed, ETA "
+            f"mem {memory_text(m)} | {_clock(elapsed)} elapsed, ETA "
             f"{_clock(eta)} | world {self.world}"
         )
 

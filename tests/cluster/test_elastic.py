@@ -100,8 +100,10 @@ def mlflow_runs(launch_dir: Path, experiment: str) -> list:
 
 
 def history(launch_dir: Path, run, key: str) -> list[tuple[int, float]]:
+    """(step index, value): MLflow's step N is N steps done, the elastic records and the reference
+    count the index of the step trained (N - 1)."""
     client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
-    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+    return sorted((m.step - 1, m.value) for m in client.get_metric_history(run.info.run_id, key))
 
 
 def assert_matches_reference(losses: dict[int, float], reference: dict[int, float], what: str):

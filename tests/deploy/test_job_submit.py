@@ -229,7 +229,7 @@ def test_mlflow_has_the_finished_run_with_a_loss_per_step(job):
     assert (params["cluster.num_workers"], params["train.steps"]) == (str(WORKERS), str(STEPS))
     assert run.data.tags["checkpoint_root"] == f"{job.out}/runs/{RUN_NAME}/checkpoints"
     losses = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
-    assert [m.step for m in losses] == list(range(STEPS))
+    assert [m.step for m in losses] == list(range(1, STEPS + 1))  # step N = N steps done
     assert losses[-1].value < losses[0].value
 
 
