@@ -49,7 +49,7 @@ ERROR_LEVEL = re.compile(
 RAY_REPORT_LINE = re.compile(r"Reporting training result \d+: .* from rank \d+")
 """Ray Train's INFO line, one per ray.train.report per rank (ray.train.v2 context.py)."""
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
-STEP_LINE = re.compile(r"step +\d+ \| loss \d")
+STEP_LINE = re.compile(r"step +\d+/\d+ \| loss \d")  # step N/total: N steps done
 
 
 @pytest.fixture(scope="module")
