@@ -326,11 +326,16 @@ def absolute(path: str, base_dir: str) -> str:
     return str((Path(base_dir) / path).resolve())
 
 
-def checkpoint_root(storage_path: str, run_name: str) -> str:
-    """<storage_path>/<run_name>/checkpoints: a run's checkpoints, in Ray's run folder. A URI's
+def run_folder(storage_path: str, run_name: str, *below: str) -> str:
+    """<storage_path>/<run_name>[/below...]: Ray Train's run folder (or a path in it). A URI's
     query string (an S3 endpoint's options) stays at the end."""
     base, sep, query = storage_path.partition("?")
-    return f"{base.rstrip('/')}/{run_name}/checkpoints{sep}{query}"
+    return "/".join([base.rstrip("/"), run_name, *below]) + sep + query
+
+
+def checkpoint_root(storage_path: str, run_name: str) -> str:
+    """<storage_path>/<run_name>/checkpoints: a run's checkpoints, in Ray's run folder."""
+    return run_folder(storage_path, run_name, "checkpoints")
 
 
 def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:

@@ -26,7 +26,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config import ConfigError, JobConfig, checked_config, job_to_dict, register_schemas
+from cluster.config import (
+    ConfigError,
+    JobConfig,
+    checked_config,
+    job_to_dict,
+    register_schemas,
+    run_folder,
+)
 from cluster.lease import LeaseHeld, LeaseLost, RunLease
 from cluster.logs import quiet_libraries, tee_to_job_log
 from cluster.preflight import preflight
@@ -41,7 +48,6 @@ from cluster.tracking import (
     ui_command,
 )
 from cluster.worker import LaunchInfo, fatal_error, worker_config
-from trainer import storage
 from trainer.data.preparation import Plan
 
 register_schemas()
@@ -68,7 +74,7 @@ def run_job(dictcfg: DictConfig) -> Optional[dict]:
         result, fatal = None, None
         try:
             result = fit(cfg, run_id, data.uri, lease.holder.launch_id)
-            fatal = fatal_error(run_folder(cfg), lease.holder.launch_id)
+            fatal = fatal_error(cfg.cluster, lease.holder.launch_id)
         finally:
             if run_id:
                 ok = result is not None and fatal is None
@@ -88,18 +94,15 @@ def lease_or_exit(cfg: JobConfig) -> RunLease:
     holds it. Before Ray and MLflow: a refused launch leaves nothing behind."""
     try:
         lease = RunLease.acquire(
-            run_folder(cfg), takeover=cfg.cluster.takeover, ttl_s=cfg.cluster.lease_ttl_s
+            run_folder(cfg.cluster.storage_path, cfg.cluster.run_name),
+            takeover=cfg.cluster.takeover,
+            ttl_s=cfg.cluster.lease_ttl_s,
         )
     except (LeaseHeld, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     lease.start_heartbeat()
     return lease
-
-
-def run_folder(cfg: JobConfig) -> str:
-    """<storage_path>/<run_name>, query string (s3 endpoint options) kept at the end."""
-    return str(storage.resolve(cfg.cluster.storage_path).child(cfg.cluster.run_name))
 
 
 def adopt_run(cfg: JobConfig, lease: RunLease, run_id: Optional[str]) -> None:

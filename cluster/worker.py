@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from cluster.config import job_from_dict
+from cluster.config import job_from_dict, run_folder
 from cluster.lease import LeaseGuard
 from cluster.logs import quiet_libraries, quiet_ray_worker
 from cluster.ray_checkpoint import read_pointer, report_checkpoint
@@ -142,12 +142,13 @@ def end_fatally(folder, rank: int, launch: LaunchInfo, error: Exception) -> None
     print0(f"error: {type(error).__name__}: {error} (not retried: a restart would repeat it)")
 
 
-def fatal_error(run_folder_uri: str, launch_id: str) -> Optional[str]:
-    """The driver's side: the error this launch's workers ended with, if they recorded one."""
-    from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder  # noqa: PLC0415
+def fatal_error(cluster, launch_id: str) -> Optional[str]:
+    """The driver's side: the error this launch's workers ended with, if they recorded one in
+    <run folder>/elastic (`cluster`: the job's ClusterConfig)."""
+    from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder  # noqa: PLC0415 -- imports ray
 
-    doc = RunFolder.at(run_folder_uri).location.child(ELASTIC_DIR)
-    record = RunFolder(doc).read(FATAL)
+    folder = run_folder(cluster.storage_path, cluster.run_name, ELASTIC_DIR)
+    record = RunFolder.at(folder).read(FATAL)
     if record and record.get("launch_id") == launch_id:
         return f"{record['type']}: {record['error']}"
     return None

@@ -128,19 +128,27 @@ class CliRun:
 
 
 def start_cli(
-    launch_dir: Path, address: str, *overrides: str, env: Optional[dict] = None
+    launch_dir: Path,
+    address: Optional[str],
+    *overrides: str,
+    env: Optional[dict] = None,
+    name: str = "cli",
 ) -> CliRun:
-    """The real entry point against the cluster at `address`, launched from `launch_dir`."""
+    """The real entry point against the cluster at `address` (None: a local Ray of its own),
+    launched from `launch_dir`; output in <name>.log. Launches of one folder need their own
+    names."""
     full_env = {
         k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")
     }
-    full_env.update(FAST_RAY_TRAIN_ENV, RAY_ADDRESS=address, **(env or {}))
-    log = launch_dir / "cli.log"
+    full_env.update(FAST_RAY_TRAIN_ENV, **({"RAY_ADDRESS": address} if address else {}))
+    full_env.update(env or {})
+    log = launch_dir / f"{name}.log"
+    outputs = "outputs" if name == "cli" else f"outputs-{name}"
     args = [
         sys.executable,
         "-m",
         "cluster.train",
-        f"hydra.run.dir={launch_dir}/outputs",
+        f"hydra.run.dir={launch_dir}/{outputs}",
         *overrides,
     ]
     with open(log, "w") as out:

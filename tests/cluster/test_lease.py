@@ -13,6 +13,10 @@ from cluster.lease import LeaseHeld, LeaseLost, RunLease
 from tests.cluster.test_preflight import assert_stopped_at_driver, corpus, run_preflight  # noqa: F401
 from tests.s3_server import s3_server, s3_uri
 
+LOCAL_RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60"}
+"""start_cli's fast Ray Train settings suit a running cluster; a local Ray starting beside a busy
+test run gets Ray's usual minute to start its workers."""
+
 
 def _contend(run_dir: str, start, results, i: int) -> None:
     start.wait()
@@ -150,22 +154,13 @@ def test_a_run_taken_over_while_it_trains_stops_writing_and_says_by_whom(launch_
     """The real CLI (local Ray, 2 workers) trains; the test takes its lease over (as a second
     launch with cluster.takeover=true would): the running launch stops at its next save without
     committing, is not retried, exits 1 naming the new holder, and leaves the lease alone."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.cluster.conftest import REPO
-    from tests.cluster.elastic_cluster import attempts, wait_until
+    from tests.cluster.elastic_cluster import attempts, start_cli, wait_until
     from trainer.checkpoint import list_checkpoints
 
     run_dir = launch_dir / "runs" / "taken"
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
-    args = [
-        sys.executable,
-        "-m",
-        "cluster.train",
-        f"hydra.run.dir={launch_dir}/outputs",
+    run = start_cli(
+        launch_dir,
+        None,  # a local Ray of its own
         "train.steps=2000",
         "train.checkpoint_every=2",
         "train.global_batch_size=4",
@@ -175,31 +170,21 @@ def test_a_run_taken_over_while_it_trains_stops_writing_and_says_by_whom(launch_
         "cluster.max_failures=2",
         "cluster.run_name=taken",
         "tracking.experiment=taken",
-    ]
-    log = launch_dir / "cli.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            args,
-            cwd=launch_dir,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        env=LOCAL_RAY_ENV,
+    )
     try:
         wait_until(
             lambda: (a := attempts(run_dir)) and (a[-1].get("last_step") or 0) >= 6,
             180,
             "the run to train 6 steps",
+            run,
         )
         before = {c.step for c in list_checkpoints(str(run_dir / "checkpoints"))}
         thief = RunLease.acquire(str(run_dir), launch_id="thief", takeover=True)
-        rc = proc.wait(timeout=120)
+        rc = run.wait(120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    out = log.read_text(errors="replace")
+        run.kill()
+    out = run.output()
     assert rc == 1, out[-6000:]
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert errors and "RunTakenOver" in errors[-1] and "launch thief" in errors[-1], out[-6000:]
@@ -212,56 +197,30 @@ def test_a_run_taken_over_while_it_trains_stops_writing_and_says_by_whom(launch_
 def test_two_launches_of_one_name_started_together_one_trains_the_other_is_refused(launch_dir):
     """Two real CLIs at once, one run name: one exits 2 before Ray (naming the other), the other
     trains to the end with its checkpoints and its MLflow history whole."""
-    import os
-    import subprocess
-    import sys
-
     from mlflow.tracking import MlflowClient
 
-    from tests.cluster.conftest import REPO
+    from tests.cluster.elastic_cluster import start_cli
     from trainer.checkpoint import list_checkpoints
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
-    procs = []
-    for i in range(2):
-        args = [
-            sys.executable,
-            "-m",
-            "cluster.train",
-            f"hydra.run.dir={launch_dir}/outputs{i}",
-            "train.steps=6",
-            "train.checkpoint_every=2",
-            "train.global_batch_size=4",
-            "data.max_bytes=200000",
-            "data.seq_len=32",
-            "cluster.num_workers=2",
-            "cluster.run_name=twice",
-            "tracking.experiment=twice",
-        ]
-        log = open(launch_dir / f"cli{i}.log", "w")
-        procs.append(
-            (
-                subprocess.Popen(
-                    args,
-                    cwd=launch_dir,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                ),
-                log,
-            )
-        )
+    overrides = [
+        "train.steps=6",
+        "train.checkpoint_every=2",
+        "train.global_batch_size=4",
+        "data.max_bytes=200000",
+        "data.seq_len=32",
+        "cluster.num_workers=2",
+        "cluster.run_name=twice",
+        "tracking.experiment=twice",
+    ]
+    runs = [
+        start_cli(launch_dir, None, *overrides, env=LOCAL_RAY_ENV, name=f"cli{i}") for i in range(2)
+    ]
     try:
-        rcs = [p.wait(timeout=240) for p, _ in procs]
+        rcs = [run.wait(240) for run in runs]
     finally:
-        for p, log in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-            log.close()
-    outs = [(launch_dir / f"cli{i}.log").read_text(errors="replace") for i in range(2)]
+        for run in runs:
+            run.kill()
+    outs = [run.output() for run in runs]
     assert sorted(rcs) == [0, 2], outs
     loser = outs[rcs.index(2)]
     assert "cluster.run_name is in use" in loser or "claimed at the same moment" in loser, loser
@@ -270,8 +229,7 @@ def test_two_launches_of_one_name_started_together_one_trains_the_other_is_refus
     assert sorted(c.step for c in checkpoints) == [2, 4, 6]
     assert all(c.problem is None for c in checkpoints)
     client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("twice").experiment_id])
-    assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(
-        range(1, 7)
-    )
+    (tracked,) = client.search_runs([client.get_experiment_by_name("twice").experiment_id])
+    assert tracked.info.status == "FINISHED"
+    losses = client.get_metric_history(tracked.info.run_id, "train/loss")
+    assert [m.step for m in losses] == list(range(1, 7))
