@@ -103,6 +103,12 @@ class ClusterConfig:
     recommendation if it does not. On CUDA workers the device's real size is checked regardless."""
     elastic_resize_monitor_interval_s: float = 60.0
     """How often Ray Train checks whether an elastic run can grow (ScalingConfig field)."""
+    drain_on_grow_timeout_s: float = 120.0
+    """When Ray grows a running elastic group (a node joined), the group first checkpoints the
+    step it is at (cluster/elastic/grow.py), so the join loses no step; Ray waits at most this
+    long for it (a step and a checkpoint), then grows it anyway. Ray's controller does nothing
+    else meanwhile: a group that dies during the drain is restarted only after this long.
+    0: no drain on grow."""
     takeover: bool = False
     """Take the run name's lease from a launch that still holds it (cluster/lease.py). Only for
     a holder you know is gone: two live launches of one name write into each other's run."""
@@ -148,6 +154,13 @@ class ClusterConfig:
             fail("cluster.storage_path", self.storage_path, "a local path or a pyarrow.fs URI")
         check_run_name(self.run_name)
         check_positive("cluster.lease_ttl_s", self.lease_ttl_s, "a positive number of seconds")
+        timeout = self.drain_on_grow_timeout_s
+        if not (math.isfinite(timeout) and timeout >= 0):
+            fail(
+                "cluster.drain_on_grow_timeout_s",
+                timeout,
+                "0 (no drain on grow) or a positive number of seconds",
+            )
 
     @property
     def elastic(self) -> bool:
@@ -198,10 +211,21 @@ class TrackingConfig:
     """MLflow experiment name."""
     enabled: bool = True
     """Log to MLflow at all."""
+    system_metrics_interval_s: Optional[float] = None
+    """Seconds between system metric samples (CPU, memory, disk, network, GPUs) per node; null
+    picks it from the run's remaining time at step 2 (about 30 samples, 1-30 s apart, none when
+    fewer than 10 fit); 0 turns them off."""
 
     def validate(self) -> None:
         if not self.experiment:
             fail("tracking.experiment", self.experiment, "a non-empty experiment name")
+        interval = self.system_metrics_interval_s
+        if interval is not None and not (interval >= 0 and math.isfinite(interval)):
+            fail(
+                "tracking.system_metrics_interval_s",
+                interval,
+                "null (chosen from the run's length), 0 (off) or seconds > 0",
+            )
 
 
 @dataclass

@@ -91,33 +91,108 @@ def quiet_ray_driver(verbose: bool) -> None:
         logger.addFilter(TOKEN_AUTH_NOTE)
 
 
+# ---- the workers' lines, all of them, before the driver goes on ------------------------------
+
+NEVER_DEDUP = r"(step \d+/\d+ \| |start-up |elastic: |elastic-fsdp: end of output)"
+"""Ray's driver folds lines that are equal once their numbers are removed and that come from
+different processes within 5 s into one "[repeated Nx]" line: every step line looks alike, so
+the first steps after a restart, or of a sweep's next job, were dropped. These lines are never
+folded (RAY_DEDUP_LOGS_ALLOW_REGEX, set before Ray is imported; a user's own setting stands)."""
+
+END_OF_OUTPUT = "elastic-fsdp: end of output "
+"""Rank 0's last line (followed by the launch id): Ray forwards the workers' output to the
+driver asynchronously, so their last lines can arrive after fit() returned, after the closing
+note or inside a sweep's next job. The driver waits for this line (`wait_for_workers_output`),
+which its console stream swallows."""
+
+
+class _Ends:
+    seen: set[str] = set()
+    arrived = threading.Condition()
+
+
+def end_of_output(launch_id: str) -> str:
+    """The line rank 0 prints last (cluster/worker.py)."""
+    return END_OF_OUTPUT + launch_id
+
+
+def wait_for_workers_output(launch_id: str, timeout_s: float = 10.0) -> bool:
+    """In the driver, once fit() returned: wait until rank 0's last line has been printed here
+    (True), or `timeout_s` (False: a rank 0 that died prints none)."""
+    with _Ends.arrived:
+        return _Ends.arrived.wait_for(lambda: launch_id in _Ends.seen, timeout_s)
+
+
+def _saw_end(text: str) -> bool:
+    """Whether `text` carries the end-of-output line (it is then not shown)."""
+    at = text.find(END_OF_OUTPUT)
+    if at < 0:
+        return False
+    launch_id = (text[at + len(END_OF_OUTPUT) :].split() or [""])[0]
+    with _Ends.arrived:
+        _Ends.seen.add(launch_id)
+        _Ends.arrived.notify_all()
+    return True
+
+
 # ---- the driver's console in Hydra's job log -----------------------------------------------------
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class Tee:
-    """A text stream that writes to the console and appends, colours stripped, to a file.
+    """A text stream that writes to the console and appends, colours stripped, to a file; each
+    line starts with `prefix` (a sweep's '[job 3/4 sharding=no_shard] ') in both.
 
     The step lines reach the driver as Ray forwards the workers' output, on Ray's log thread:
     writes are serialized and flushed line by line, so the file interleaves whole lines with
-    the log records Hydra's own file handler appends to the same file."""
+    the log records Hydra's own file handler appends to the same file. The console and the file
+    are one Tee's each for stdout and stderr, sharing `at_line_start`, so a line written in
+    pieces gets one prefix."""
 
-    def __init__(self, console: TextIO, file: TextIO, lock: threading.Lock):
-        self.console, self.file, self.lock = console, file, lock
+    def __init__(
+        self,
+        console: TextIO,
+        file: Optional[TextIO],
+        lock: threading.Lock,
+        prefix: str = "",
+        at_line_start: Optional[list[bool]] = None,
+    ):
+        self.console, self.file, self.lock, self.prefix = console, file, lock, prefix
+        self.at_line_start = at_line_start if at_line_start is not None else [True]
+        self.skip_newline = False
 
     def write(self, text: str) -> int:
         with self.lock:
-            n = self.console.write(text)
-            self.file.write(ANSI.sub("", text))
-            if "\n" in text:
-                self.file.flush()
-        return n
+            if _saw_end(text):  # the workers' end-of-output line: noted, not shown
+                self.skip_newline = not text.endswith("\n")  # print() writes its end apart
+                return len(text)
+            if self.skip_newline:
+                self.skip_newline = False
+                if text == "\n":
+                    return 1
+            shown = self._prefixed(text) if self.prefix else text
+            self.console.write(shown)
+            if self.file is not None:
+                self.file.write(ANSI.sub("", shown))
+                if "\n" in text:
+                    self.file.flush()
+        return len(text)
+
+    def _prefixed(self, text: str) -> str:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self.at_line_start[0]:
+                out.append(self.prefix)
+            out.append(piece)
+            self.at_line_start[0] = piece.endswith(("\n", "\r"))
+        return "".join(out)
 
     def flush(self) -> None:
         with self.lock:
             self.console.flush()
-            self.file.flush()
+            if self.file is not None:
+                self.file.flush()
 
     def __getattr__(self, name):  # isatty, fileno, encoding...: the console's
         return getattr(self.console, name)
@@ -132,17 +207,17 @@ def job_log_path() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def tee_to_job_log() -> Iterator[None]:
+def tee_to_job_log(prefix: str = "") -> Iterator[None]:
     """While the job runs, what the driver prints (its own lines and the workers' Ray forwards)
-    also goes to Hydra's job log, which otherwise holds only `logging` records."""
+    also goes to Hydra's job log, which otherwise holds only `logging` records; every line
+    starts with `prefix` (a sweep job's), on the console and in the file. The workers'
+    end-of-output line is taken out here (`wait_for_workers_output`)."""
     path = job_log_path()
-    if path is None:
-        yield
-        return
     out, err = sys.stdout, sys.stderr
-    lock = threading.Lock()
-    with open(path, "a", encoding="utf-8") as file:
-        sys.stdout, sys.stderr = Tee(out, file, lock), Tee(err, file, lock)
+    lock, at_line_start = threading.Lock(), [True]
+    with open(path, "a", encoding="utf-8") if path else contextlib.nullcontext() as file:
+        sys.stdout = Tee(out, file, lock, prefix, at_line_start)
+        sys.stderr = Tee(err, file, lock, prefix, at_line_start)
         try:
             yield
         finally:

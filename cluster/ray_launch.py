@@ -7,7 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from cluster.logs import quiet_ray_driver, ray_train_logging
+from cluster.logs import NEVER_DEDUP, quiet_ray_driver, ray_train_logging
 
 if TYPE_CHECKING:  # annotations only: cluster.config imports cluster.tracking, which imports this
     from cluster.config import ClusterConfig, JobConfig
@@ -29,6 +29,8 @@ def connect(cluster: ClusterConfig) -> None:
     A local instance keeps its dashboard process: it serves the State API, without which
     Ray Train's placement-group cleaner cannot see its controller and warns every second.
     """
+    # before Ray is imported: it reads this once (cluster/logs.py NEVER_DEDUP says why)
+    os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", NEVER_DEDUP)
     import ray  # noqa: PLC0415 -- ray costs seconds to import: not for a config that fails
 
     if ray.is_initialized():
@@ -68,18 +70,29 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     checkpoints, the loop its checkpoint folder."""
     import ray.train.torch  # noqa: PLC0415 -- ray costs seconds to import: only to run a job
 
-    from cluster.elastic import (  # noqa: PLC0415 -- imports ray
-        ClusterView,
-        SigtermCallback,
-    )
-
     # cluster.worker imports cluster.config, which imports cluster.tracking, which imports this
+    from cluster.config import run_folder  # noqa: PLC0415 -- the same cycle
+    from cluster.elastic import (  # noqa: PLC0415 -- imports ray
+        ELASTIC_DIR,
+        ClusterView,
+        GrowDrain,
+        RunFolder,
+        SigtermCallback,
+        replace_rays_watcher,
+    )
     from cluster.worker import train_loop_per_worker  # noqa: PLC0415 -- an import cycle
 
     c = cfg.cluster
+    preemption = replace_rays_watcher()  # Ray's own logs an ERROR line at every group start
     lo, hi = c.world_sizes
     elastic = c.min_workers is not None
     resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
+    # the running group checkpoints before Ray grows it (the controller reaches the run folder)
+    grow = GrowDrain(
+        RunFolder.at(run_folder(c.storage_path, c.run_name, ELASTIC_DIR)),
+        c.drain_on_grow_timeout_s,
+        launch_id=train_loop_config.get("launch", {}).get("launch_id", ""),
+    )
     scaling = ray.train.ScalingConfig(
         num_workers=(lo, hi) if elastic else hi,
         use_gpu=c.use_gpu,
@@ -100,7 +113,8 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             # the real checkpoints with the same count.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[SigtermCallback()]
-            + ([ClusterView(c.elastic_resize_monitor_interval_s, lo)] if elastic else []),
+            + ([preemption] if preemption else [])
+            + ([ClusterView(c.elastic_resize_monitor_interval_s, lo, grow)] if elastic else []),
             # Ray Train's INFO lines (one per report per rank among them) only when verbose
             logging_config=ray_train_logging(c.verbose),
         ),

@@ -46,16 +46,25 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config import ConfigError, JobConfig, checked_config, flatten
+from cluster.logs import quiet_libraries
 from cluster.preflight import preflight
 from cluster.ray_launch import connect_largest
 from cluster.report import write_report
-from cluster.tracking import create_sweep_run, end_run, run_tags, ui_command
+from cluster.tracking import (
+    create_sweep_run,
+    end_run,
+    experiment_of,
+    run_tags,
+    ui_command,
+    ui_url,
+)
 from trainer.metrics import MLflowLogger
 
 PARENT_RUN_ENV = "ELASTIC_FSDP_SWEEP_PARENT_RUN_ID"
 """The sweep's parent MLflow run id, set by SweepCallback for the jobs (env: any launcher sees
 it)."""
 SWEPT_KEYS_ENV = "ELASTIC_FSDP_SWEEP_KEYS"
+SWEEP_JOBS_ENV = "ELASTIC_FSDP_SWEEP_JOBS"
 """Comma-separated keys the sweep varies; a job's run is named after its values of these."""
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
@@ -72,6 +81,18 @@ class JobSlot:
     """The job's values of the swept keys, e.g. 'sharding=no_shard'."""
     parent_run_id: Optional[str] = None
     """The sweep's MLflow parent run; None when tracking is off."""
+    total: Optional[int] = None
+    """How many jobs the sweep has (None when its sweeper decides as it goes)."""
+
+    @property
+    def name(self) -> str:
+        """'job 3/4': counted from 1, of the sweep's jobs (Hydra's folder is num, from 0)."""
+        return f"job {self.num + 1}/{self.total}" if self.total else f"job {self.num + 1}"
+
+    @property
+    def prefix(self) -> str:
+        """What every console line of the job starts with: '[job 3/4 sharding=no_shard] '."""
+        return f"[{' '.join(p for p in (self.name, self.label) if p)}] "
 
 
 def current_slot() -> Optional[JobSlot]:
@@ -86,6 +107,7 @@ def current_slot() -> Optional[JobSlot]:
         sweep_dir=os.path.abspath(hydra_cfg.sweep.dir),
         label=job_label(overrides, keys),
         parent_run_id=os.environ.get(PARENT_RUN_ENV) or None,
+        total=int(os.environ.get(SWEEP_JOBS_ENV) or 0) or None,
     )
 
 
@@ -142,7 +164,7 @@ def checked_jobs(
     sweep_dir = os.path.abspath(config.hydra.sweep.dir)
     cfgs, errors = [], []
     for num, overrides in enumerate(jobs):
-        slot = JobSlot(num, sweep_dir, job_label(overrides, keys))
+        slot = JobSlot(num, sweep_dir, job_label(overrides, keys), total=len(jobs))
         try:
             composed = task_config(loader.load_sweep_config(config, list(overrides)))
             run_name = sweep_run_name(composed.cluster.run_name, slot)
@@ -150,7 +172,7 @@ def checked_jobs(
         except (ConfigError, HydraException, OmegaConfBaseException) as e:
             # Hydra's config search path is noise here
             message = str(e).split("\nConfig search path:")[0].rstrip()
-            errors.append(f"sweep job {num} ({slot.label or ' '.join(overrides)}): {message}")
+            errors.append(f"sweep {slot.name} ({slot.label or ' '.join(overrides)}): {message}")
     if errors:
         print("error: " + "\n\nerror: ".join(errors), file=sys.stderr)
         print(
@@ -260,9 +282,11 @@ class SweepCallback(Callback):
                 f"sweep: {len(jobs)} jobs checked ({', '.join(keys) or 'no key'} swept)", flush=True
             )
         check_one_tracking(cfgs)
+        quiet_libraries(cfgs[0].cluster.verbose)  # before the parent run: MLflow's set-up lines
         preflight_all(cfgs)  # after every check that writes nothing: a refused sweep leaves no file
         connect_largest(cfgs)
         os.environ[SWEPT_KEYS_ENV] = ",".join(keys)
+        os.environ[SWEEP_JOBS_ENV] = str(self.expected_jobs or "")
         self.sweep_dir = os.path.abspath(config.hydra.sweep.dir)
         if cfgs[0].tracking.enabled:
             self.start_parent(config, cfgs, keys)
@@ -291,11 +315,13 @@ class SweepCallback(Callback):
             return
         self.ended_jobs += 1
         if job_return.status == JobStatus.FAILED:
-            self.failed_jobs.append(int(config.hydra.job.num))
+            num = int(config.hydra.job.num)
+            self.failed_jobs.append(num)
             error = job_return._return_value  # .return_value would raise it here
             first_line = (str(error).strip().splitlines() or [""])[0]
+            name = JobSlot(num, "", "", total=self.expected_jobs).name
             print(
-                f"sweep: job {config.hydra.job.num} failed: {type(error).__name__}: {first_line}",
+                f"sweep: {name} failed: {type(error).__name__}: {first_line}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -307,6 +333,7 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self.finish()
         os.environ.pop(SWEPT_KEYS_ENV, None)
+        os.environ.pop(SWEEP_JOBS_ENV, None)
 
     def finish(self) -> None:
         """Print and log the comparison report, then end the parent run (once)."""
@@ -332,7 +359,8 @@ class SweepCallback(Callback):
         state = f"FAILED (jobs {self.failed_jobs} failed)" if self.failed_jobs else "FINISHED"
         print(
             f"mlflow: sweep parent run {run_id} {state}; compare its runs with: "
-            f"{ui_command(self.tracking_uri)}",
+            f"{ui_command(self.tracking_uri)}, then "
+            f"{ui_url(self.tracking_uri, experiment_of(self.tracking_uri, run_id))}",
             flush=True,
         )
 

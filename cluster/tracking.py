@@ -98,15 +98,12 @@ def create_sweep_run(
     """Create a sweep's parent run: the jobs' runs name it in mlflow.parentRunId.
 
     `params` are what every job of the sweep shares; the swept keys differ per child and are
-    left to the children. The git commit is tagged as on every run."""
+    left to the children. The source (git commit, dirty flag) is tagged as on every run."""
     from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
 
     client = MlflowClient(tracking_uri)
     experiment_id = _experiment_id(client, experiment, artifact_root(tracking_uri))
-    all_tags = {k: str(v) for k, v in tags.items()}
-    commit = git_commit()
-    if commit:
-        all_tags["mlflow.source.git.commit"] = commit
+    all_tags = {**source_tags(), **{k: str(v) for k, v in tags.items()}}
     run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
     MLflowLogger(tracking_uri, run.info.run_id).log_params(params)
     return run.info.run_id
@@ -129,7 +126,9 @@ def _experiment_id(client, name: str, artifact_location: Optional[str]) -> str:
     if experiment is not None:
         return experiment.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        return client.create_experiment(
+            name, artifact_location=artifact_location, tags=EXPERIMENT_KIND
+        )
     except Exception:  # another launcher created it between our get and create
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
@@ -147,17 +146,40 @@ def run_tags(cfg: JobConfig) -> dict[str, str]:
         "model": cfg.model.name,
         "checkpoint_root": cfg.checkpoint_root,
     }
-    commit = git_commit()
-    if commit:
-        tags["mlflow.source.git.commit"] = commit
+    return {**tags, **source_tags()}
+
+
+# ---- where the code came from --------------------------------------------------------------------
+
+COMMIT_ENV = "ELASTIC_FSDP_GIT_COMMIT"
+DIRTY_ENV = "ELASTIC_FSDP_GIT_DIRTY"
+"""Set by `python -m cluster.submit` in the job's runtime env: `ray job submit` uploads the
+working tree without .git, so the job itself cannot ask git; the submitting checkout's answer
+travels with it."""
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow tags naming the code a run ran: `mlflow.source.git.commit` (what the MLflow UI
+    shows) and `git_dirty` ("true" when tracked files differed from that commit). From git when
+    this code runs in a checkout, else from what `cluster.submit` passed on; when neither knows,
+    `git_commit` says why instead of leaving the run without a word."""
+    commit, dirty = git_commit(), git_dirty()
+    if commit is None:
+        commit = os.environ.get(COMMIT_ENV) or None
+        dirty = {"true": True, "false": False}.get(os.environ.get(DIRTY_ENV, "").lower())
+    if commit is None:
+        return {"git_commit": f"unknown: not a git checkout and {COMMIT_ENV} unset"}
+    tags = {"mlflow.source.git.commit": commit}
+    if dirty is not None:
+        tags["git_dirty"] = "true" if dirty else "false"
     return tags
 
 
-def git_commit() -> Optional[str]:
-    """HEAD of the repository this code runs from, or None (not a checkout, no commit yet)."""
+def _git(*args: str) -> Optional[str]:
+    """`git <args>` in the directory of this code: its stdout, or None where git fails."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
+            ["git", *args],
             cwd=Path(__file__).resolve().parent,
             capture_output=True,
             text=True,
@@ -165,8 +187,19 @@ def git_commit() -> Optional[str]:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and len(commit) == 40 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_commit() -> Optional[str]:
+    """HEAD of the repository this code runs from, or None (not a checkout, no commit yet)."""
+    commit = (_git("rev-parse", "HEAD") or "").strip()
+    return commit if len(commit) == 40 else None
+
+
+def git_dirty() -> Optional[bool]:
+    """Whether tracked files differ from HEAD (untracked files do not count), or None."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status.strip())
 
 
 def end_run(tracking_uri: str, run_id: str, ok: bool, status: Optional[str] = None) -> None:
@@ -199,6 +232,28 @@ def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, 
 
     history = MlflowClient(tracking_uri).get_metric_history(run_id, key)
     return sorted((m.step, m.value) for m in history)
+
+
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+"""Tag of the experiments this project creates: MLflow 3's UI opens them as model training
+(runs, charts, compare), not as a GenAI app (traces), where it reads the tag."""
+
+
+def ui_url(tracking_uri: str, experiment_id: str, run_id: Optional[str] = None) -> str:
+    """The MLflow UI page of a run (or of an experiment's runs) in the "Model training" mode:
+    MLflow 3 opens in its GenAI mode, whose experiment page has no runs table, unless the URL
+    or the user's last choice says otherwise. A local store is served by `ui_command`'s server
+    on its default address."""
+    remote = "://" in tracking_uri and not tracking_uri.startswith(("sqlite:", "file:"))
+    base = tracking_uri.rstrip("/") if remote else "http://127.0.0.1:5000"
+    page = f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
+    return f"{base}/{page}?workflowType=machine_learning"
+
+
+def experiment_of(tracking_uri: str, run_id: str) -> str:
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
+
+    return MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
 
 
 def ui_command(tracking_uri: str) -> str:

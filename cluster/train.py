@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Optional
 
 import hydra
@@ -35,17 +36,19 @@ from cluster.config import (
     run_folder,
 )
 from cluster.lease import LeaseHeld, LeaseLost, RunLease
-from cluster.logs import quiet_libraries, tee_to_job_log
+from cluster.logs import quiet_libraries, tee_to_job_log, wait_for_workers_output
 from cluster.preflight import preflight
 from cluster.ray_checkpoint import read_pointer
 from cluster.ray_launch import build_trainer, connect_largest
 from cluster.sweep import JobSlot, current_slot, sweep_run_name
 from cluster.tracking import (
     end_abandoned_run,
+    experiment_of,
     finish_tracking,
     metric_history,
     start_tracking,
     ui_command,
+    ui_url,
 )
 from cluster.worker import LaunchInfo, fatal_error, worker_config
 from trainer.data.preparation import Plan
@@ -55,25 +58,32 @@ register_schemas()
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def hydra_main(dictcfg: DictConfig) -> Optional[dict]:
-    with tee_to_job_log():  # what the console shows also lands in the job's Hydra log file
-        return run_job(dictcfg)
+    slot = current_slot()  # this job's place in a sweep; None for a plain run
+    # What the console shows also lands in the job's Hydra log file; in a sweep every line
+    # (the workers' too, which Ray forwards through this process) says which job it is of.
+    with tee_to_job_log(prefix=slot.prefix if slot else ""):
+        return run_job(dictcfg, slot)
 
 
-def run_job(dictcfg: DictConfig) -> Optional[dict]:
+def run_job(dictcfg: DictConfig, slot: Optional[JobSlot]) -> Optional[dict]:
+    startup = Startup()  # the driver's phases; rank 0 prints them with the workers' own
     launch_dir = os.getcwd()  # hydra.job.chdir is false: this is where the user launched
     out_dir = HydraConfig.get().runtime.output_dir  # this job's Hydra outputs
-    slot = current_slot()  # this job's place in a sweep; None for a plain run
     cfg, plan = config_or_exit(dictcfg, launch_dir, slot)  # every bad input stops here
     quiet_libraries(cfg.cluster.verbose)  # the workers do the same (cluster/worker.py)
     lease = lease_or_exit(cfg)  # this launch owns the run name until it ends
+    startup.done("config")
     try:
         connect_largest([cfg])  # before the MLflow run exists: an unreachable Ray leaves no run
+        startup.done("Ray")
         data = prepare(cfg, plan)  # once; on Ray Data for large sources
+        startup.done("data")
         run_id = start_tracking(cfg, slot, out_dir, data)
         adopt_run(cfg, lease, run_id)
+        startup.done("MLflow")
         result, fatal = None, None
         try:
-            result = fit(cfg, run_id, data.uri, lease.holder.launch_id)
+            result = fit(cfg, run_id, data.uri, lease.holder.launch_id, startup)
             fatal = fatal_error(cfg.cluster, lease.holder.launch_id)
         finally:
             if run_id:
@@ -151,17 +161,64 @@ def prepare(cfg: JobConfig, plan: Plan):
     return prepare_data(cfg, plan)
 
 
-def fit(cfg: JobConfig, run_id: Optional[str], data_dir: str, launch_id: str):
+class Startup:
+    """The driver's start-up phases, timed: (name, seconds) in order, and when it began. The
+    workers' rank 0 adds its own (cluster/elastic/tracker.py) and prints the whole on one line
+    once the first step is done."""
+
+    def __init__(self):
+        self.began = self._last = time.time()
+        self.phases: list[list] = []
+
+    def done(self, name: str) -> None:
+        now = time.time()
+        self.phases.append([name, now - self._last])
+        self._last = now
+
+    def handed_over(self) -> dict:
+        """For LaunchInfo.startup: the phases so far and the time the trainer is started."""
+        return {"began": self.began, "phases": self.phases, "fit_at": time.time()}
+
+
+def fit(
+    cfg: JobConfig,
+    run_id: Optional[str],
+    data_dir: str,
+    launch_id: str,
+    startup: Optional[Startup] = None,
+):
     """Run the TorchTrainer to completion; Ray retries failures up to cluster.max_failures (the
     workers end cleanly on errors a retry would repeat: cluster/worker.py fatal_errors)."""
+    import ray.train.torch  # noqa: F401, PLC0415 -- seconds to import: a start-up phase of its own
+
+    if startup is not None:
+        startup.done("Ray Train import")
     launch = LaunchInfo(
         checkpoint_root=cfg.checkpoint_root,
         mlflow_run_id=run_id,
         data_dir=data_dir,
         launch_id=launch_id,
+        startup=startup.handed_over() if startup else None,
     )
     trainer = build_trainer(cfg, worker_config(job_to_dict(cfg), launch))
-    return trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:  # the in-memory snapshots live as long as this launch
+        stop_snapshot_keepers(cfg, launch_id)
+    wait_for_workers_output(launch_id)  # their last lines before the closing note (or next job)
+    return result
+
+
+def stop_snapshot_keepers(cfg: JobConfig, launch_id: str) -> None:
+    """Free the keepers' memory (they are detached actors: they would outlive this driver)."""
+    if cfg.train.snapshot_every == 0:
+        return
+    from cluster.elastic import snapshots  # noqa: PLC0415 -- imports ray
+
+    try:
+        snapshots.stop_keepers(snapshots.run_key_of(cfg.cluster.run_name, launch_id))
+    except Exception as e:  # the run's outcome stands; say what was left
+        print(f"warning: could not stop the snapshot keepers ({type(e).__name__}: {e})")
 
 
 def closing_note(cfg: JobConfig, run_id: Optional[str], result) -> dict:
@@ -201,6 +258,7 @@ def closing_note(cfg: JobConfig, run_id: Optional[str], result) -> dict:
     if run_id:
         print(f"mlflow run: {run_id} in experiment '{cfg.tracking.experiment}', tracking URI {uri}")
         print(f"see it:     {ui_command(uri)}")
+        print(f"            then {ui_url(uri, experiment_of(uri, run_id), run_id)}")
     sys.stdout.flush()
     return note
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from cluster.config import job_from_dict, run_folder
 from cluster.lease import LeaseGuard
-from cluster.logs import quiet_libraries, quiet_ray_worker
+from cluster.logs import end_of_output, quiet_libraries, quiet_ray_worker
 from cluster.ray_checkpoint import read_pointer, report_checkpoint
-from trainer.metrics import MetricsLogger, MLflowLogger, NullLogger, print0, start_system_metrics
+from trainer.metrics import MetricsLogger, MLflowLogger, NodeMetrics, NullLogger, print0
 
 
 @dataclass
@@ -33,6 +33,9 @@ class LaunchInfo:
     """The prepared dataset the driver prepared (or found) for this run."""
     launch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """One per launch of the run (each `fit`): worker-group restarts are counted within it."""
+    startup: Optional[dict] = None
+    """The driver's start-up phases (cluster/train.py Startup.handed_over): rank 0 of the
+    launch's first worker group prints them with its own when its first step is done."""
 
 
 def worker_config(job: dict, launch: LaunchInfo) -> dict:
@@ -72,8 +75,15 @@ def train_loop_per_worker(config: dict) -> None:
         "entered": entered,
         "imported": time.time(),
     }
-    tracker = elastic.ElasticTracker(folder, rank, world_size, launch.launch_id, times)
-    drain = elastic.DrainWatcher(rank, preemption_info=elastic.preemption_notice())
+    tracker = elastic.ElasticTracker(
+        folder, rank, world_size, launch.launch_id, times, startup=launch.startup
+    )
+    node_metrics = system_metrics(context, cfg, launch)
+    drain = elastic.DrainWatcher(
+        rank,
+        preemption_info=elastic.preemption_notice(),
+        requests=elastic.DrainRequests(folder, launch.launch_id) if rank == 0 else None,
+    )
     announce_resume(ray.train.get_checkpoint())
     ctx = WorkerContext(
         rank=rank,
@@ -93,22 +103,32 @@ def train_loop_per_worker(config: dict) -> None:
         before_step=elastic.chain(
             tracker.before_step, elastic.FaultInjector(cfg.fault, rank, folder)
         ),
-        after_step=tracker.on_step,
+        after_step=after_steps(tracker.on_step, node_metrics and node_metrics.on_step),
         may_write=LeaseGuard(folder.location, launch.launch_id),
+        snapshot_root=snapshot_root(cfg, launch),
     )
-    monitor = start_node_metrics(context, cfg, launch)
     try:
         with elastic.training():
             result = run_training(cfg, ctx)
     except fatal_errors() as e:
         end_fatally(folder, rank, launch, e)
+        if rank == 0:  # the driver waits for this line
+            print(end_of_output(launch.launch_id), flush=True)
         return
     finally:
         logger.close()
-        if monitor is not None:
-            monitor.finish()
+        if node_metrics is not None:
+            node_metrics.finish()
+    if rank == 0 and result.steps_done >= cfg.train.steps:  # the driver waits for this line
+        if drain.requests is not None:
+            drain.requests.finished(result.steps_done)
+        print(end_of_output(launch.launch_id), flush=True)
     if result.steps_done < cfg.train.steps:  # the loop only returns early when asked to stop
         tracker.left(result.steps_done)
+        if drain.requests is not None:  # its checkpoint is committed: the controller may go on
+            drain.requests.acknowledge(result.steps_done)
+        if drain.leaving and ctx.snapshot_root:  # this node goes: so does its keeper
+            stop_node_keeper(cfg, launch)
         elastic.leave(
             drain,
             f"rank {rank} left at step {result.steps_done} of {cfg.train.steps} "
@@ -154,15 +174,66 @@ def fatal_error(cluster, launch_id: str) -> Optional[str]:
     return None
 
 
-def start_node_metrics(context, cfg, launch: LaunchInfo):
-    """MLflow system metrics of this node (system/<node ip>/...), from its local rank 0 only."""
+def system_metrics(context, cfg, launch: LaunchInfo) -> Optional[NodeMetrics]:
+    """MLflow system metrics of this node (system/<node ip>/...), from its local rank 0 only;
+    the node of global rank 0 tags the run with the sampling chosen (trainer.metrics)."""
     if context.get_local_rank() != 0 or not launch.mlflow_run_id:
         return None
     import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
 
-    return start_system_metrics(
-        cfg.tracking.tracking_uri, launch.mlflow_run_id, node_id=ray.util.get_node_ip_address()
+    return NodeMetrics(
+        cfg.tracking.tracking_uri,
+        launch.mlflow_run_id,
+        node_id=ray.util.get_node_ip_address(),
+        total_steps=cfg.train.steps,
+        interval_s=cfg.tracking.system_metrics_interval_s,
+        tag=context.get_world_rank() == 0,
     )
+
+
+def snapshot_root(cfg, launch: LaunchInfo) -> Optional[str]:
+    """Where this launch's in-memory snapshots go: keeper://, the memory of a keeper actor per
+    node, each file on its writer's node and the next (cluster/elastic/snapshots.py); this
+    node's keeper is started here if no worker started it yet. None: train.snapshot_every=0."""
+    if cfg.train.snapshot_every == 0:
+        return None
+    import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
+
+    from cluster.elastic import snapshots  # noqa: PLC0415 -- imports ray
+
+    snapshots.register_keeper_scheme()
+    key = snapshots.run_key_of(cfg.cluster.run_name, launch.launch_id)
+    snapshots.ensure_keeper(key, ray.get_runtime_context().get_node_id())
+    return f"keeper://{key}/snapshots"
+
+
+def stop_node_keeper(cfg, launch: LaunchInfo) -> None:
+    """A node being drained (preempted, or a SIGTERM) goes idle, and leaves, only once nothing
+    runs on it; its keeper would keep it. Its snapshot files all have a copy on another node,
+    and the drain committed a durable checkpoint anyway."""
+    import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
+
+    from cluster.elastic import snapshots  # noqa: PLC0415 -- imports ray
+
+    key = snapshots.run_key_of(cfg.cluster.run_name, launch.launch_id)
+    try:
+        snapshots.stop_keeper(key, ray.get_runtime_context().get_node_id())
+    except Exception as e:  # another rank of this node stopped it first, or Ray is going
+        print(f"snapshots: this node's keeper: {type(e).__name__}: {e}", flush=True)
+
+
+def after_steps(*hooks) -> Callable[[int, dict], Optional[dict]]:
+    """One WorkerContext.after_step from the tracker's and the node metrics' (None skipped):
+    the metrics the hooks return, merged."""
+    active = [h for h in hooks if h is not None]
+
+    def after_step(step: int, metrics: dict) -> Optional[dict]:
+        out: dict = {}
+        for hook in active:
+            out.update(hook(step, metrics) or {})
+        return out
+
+    return after_step
 
 
 def make_logger(rank: int, tracking_uri: str, run_id: Optional[str]) -> MetricsLogger:

@@ -25,6 +25,8 @@ import base64
 import dataclasses
 import hashlib
 import json
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -247,6 +249,7 @@ class Checkpointer:
         device: torch.device,
         control: Optional[dist.ProcessGroup] = None,
         resume_from: Optional[str] = None,
+        snapshot_root: Optional[str] = None,
         on_commit: Optional[Callable[[str, int], None]] = None,
         log=print,
         data_identity: Optional[dict] = None,
@@ -256,6 +259,7 @@ class Checkpointer:
         group of all ranks for the agreements, used from this (the training) thread only; the
         save barrier gets a gloo group of its own (both None with one rank).
         `resume_from`: a checkpoint to resume from instead of the newest valid one under root.
+        `snapshot_root`: where in-memory snapshots go (Snapshots below), or None.
         `on_commit(path, step)`: called on every rank once step's checkpoint is committed.
         `log`: prints on rank 0 (the loop's print0). `data_identity`: what the sample order
         depends on (data_identity); a checkpoint of another one is refused. `tokenizer`: the
@@ -273,6 +277,11 @@ class Checkpointer:
             root, keep=cfg.train.keep_checkpoints, async_save=True, group=barrier_group
         )
         self.writer.commit_guard = lambda: self.may_write() if self.may_write else None
+        self.snapshots = (
+            Snapshots(snapshot_root, cfg.train.snapshot_every, world_size, log)
+            if snapshot_root and cfg.train.snapshot_every != 0
+            else None
+        )
         self.start_step = 0
         self.resumed_from: Optional[str] = None
         self.last_committed: Optional[str] = None
@@ -291,11 +300,20 @@ class Checkpointer:
 
     # ---- saving ------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
-        """`step` steps are done: report a save that committed meanwhile; save if one is due."""
+        """`step` steps are done: report a save that committed meanwhile; save if one is due;
+        else snapshot if one is due."""
         if self._in_flight is not None and not self._any(self.writer.in_flight()):
             self._report()
         if self.every and step % self.every == 0 and step < self.total:
             self.save(step)
+        elif self.snapshots is not None and step < self.total:
+            t0 = time.perf_counter()  # what the training thread waits: the agreement + the copy
+            busy = self._any(self.snapshots.writer.in_flight())
+            if self.snapshots.due(step, busy):
+                self.snapshots.save(
+                    step, self._state(step), state_chunks(self.model, self.optimizer), self.rank
+                )
+            self.snapshots.blocked_ms = (time.perf_counter() - t0) * 1000.0
 
     def save(self, step: int) -> None:
         """Start an asynchronous save of `step`; the previous one is waited for and reported."""
@@ -303,7 +321,17 @@ class Checkpointer:
             self.before_save(step)
         self.check_may_write(f"saving step {step}")
         self._report()
-        state = TrainerState.of(
+        self.writer.save(
+            step,
+            self.rank,
+            self.world,
+            state_chunks(self.model, self.optimizer),
+            self._state(step).to_json(),
+        )
+        self._in_flight = self._saved_step = step
+
+    def _state(self, step: int) -> TrainerState:
+        return TrainerState.of(
             self.cfg,
             step,
             self.world,
@@ -313,10 +341,6 @@ class Checkpointer:
             self.tokenizer,
             self.last_loss,
         )
-        self.writer.save(
-            step, self.rank, self.world, state_chunks(self.model, self.optimizer), state.to_json()
-        )
-        self._in_flight = self._saved_step = step
 
     def close(self, step: int) -> Optional[str]:
         """Save `step` unless saved already or nothing was trained; wait; report; stop the
@@ -325,6 +349,8 @@ class Checkpointer:
             self.save(step)
         self._report()
         self.writer.close()
+        if self.snapshots is not None:
+            self.snapshots.close()
         return self.last_committed
 
     def check_may_write(self, doing: str) -> None:
@@ -343,6 +369,8 @@ class Checkpointer:
             self._report()
         finally:
             self.writer.close()
+            if self.snapshots is not None:
+                self.snapshots.close()
 
     def last_good_step(self) -> int:
         """The newest step saved (or being saved) by this run, else the step it resumed at."""
@@ -374,6 +402,11 @@ class Checkpointer:
                 if info.problem:
                     self.log(f"skipping checkpoint {info.path}: {info.problem}")
             candidates = [info.path for info in infos if not info.problem]
+            if self.snapshots is not None:
+                durable = next((i.step for i in infos if not i.problem), 0)
+                candidates = (
+                    self.snapshots.newer_than(durable, self.rank, self.control) + candidates
+                )
         for path in candidates:
             error, state = self._try_load(path)
             if not self._any(error is not None):
@@ -418,6 +451,10 @@ class Checkpointer:
         )
         return self.start_step
 
+    def metrics(self) -> dict[str, float]:
+        """snapshot/* of the last snapshot (see Snapshots.metrics); {} without snapshots."""
+        return self.snapshots.metrics() if self.snapshots is not None else {}
+
     # ---- agreement ---------------------------------------------------------------------------
     def _any(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any rank."""
@@ -426,3 +463,101 @@ class Checkpointer:
         t = torch.tensor([1.0 if flag else 0.0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return bool(t.item())
+
+
+class Snapshots:
+    """In-memory snapshots: the checkpoint format, written to `root` (the launcher's peers'
+    memory, cluster/elastic/snapshots.py: keeper://), two generations kept.
+
+    A snapshot is a checkpoint of its own writer (its own gloo barrier group: created on every
+    rank, in the same order), asynchronous like the durable one: the loop waits only for the
+    copy of its shard state to host memory; sending it on happens on the writer's thread.
+    `every`: None -> at every step where the previous snapshot has been sent (all ranks agree:
+    the busy flag is all-reduced), so the copy always hides behind compute; N -> every N steps
+    (waiting for the previous one if it is still being sent). A snapshot that fails (a keeper
+    gone with its node) is reported and the next one is tried: snapshots never stop training.
+    Resuming, `newer_than` offers the complete snapshots newer than the newest durable
+    checkpoint, newest first, as rank 0 lists them (all ranks try the same ones, in order)."""
+
+    KEEP = 2
+
+    def __init__(self, root: str, every: Optional[int], world_size: int, log=print):
+        self.root, self.every, self.log = root, every, log
+        group = dist.new_group(backend="gloo") if world_size > 1 else None
+        if group is not None:  # gloo connects a group at its first collective: not mid-snapshot
+            dist.barrier(group=group)
+        self.writer = CheckpointWriter(
+            root, keep=self.KEEP, async_save=True, group=group, retention_log_level=logging.DEBUG
+        )
+        self.world = world_size
+        self._in_flight: Optional[int] = None
+        self.last_step: Optional[int] = None
+        self.blocked_ms: Optional[float] = None
+        self.bytes: int = 0
+
+    def due(self, step: int, busy: bool) -> bool:
+        if self.every is None:
+            if busy:
+                return False
+        elif step % self.every:
+            return False
+        self._collect()
+        return True
+
+    def save(self, step: int, state: TrainerState, chunks: list[TensorChunk], rank: int) -> None:
+        self.writer.save(step, rank, self.world, chunks, state.to_json())
+        self.bytes = sum(c.data.numel() * c.data.element_size() for c in chunks)
+        self._in_flight = step
+
+    def _collect(self) -> None:
+        """The previous snapshot's outcome (it is done or being waited for)."""
+        if self._in_flight is None:
+            return
+        step, self._in_flight = self._in_flight, None
+        try:
+            self.writer.wait()
+            self.last_step = step
+        except Exception as e:  # a keeper gone: the next snapshot is tried
+            self.log(f"snapshot of step {step} failed ({type(e).__name__}: {e}); trying again")
+
+    def metrics(self) -> dict[str, float]:
+        """snapshot/step (the newest sent), snapshot/blocked_ms (the training thread's wait at
+        the last step: agreeing whether one is due, and the copy to host memory when it was),
+        mem/snapshot_bytes (this rank's shard state in
+        one snapshot; the keepers hold 2 copies x 2 generations of it)."""
+        m = {"mem/snapshot_bytes": float(self.bytes)} if self.bytes else {}
+        if self.last_step is not None:
+            m["snapshot/step"] = float(self.last_step)
+        if self.blocked_ms is not None:
+            m["snapshot/blocked_ms"] = self.blocked_ms
+        return m
+
+    def newer_than(self, durable_step: int, rank: int, control) -> list[str]:
+        """Complete snapshots newer than `durable_step`, newest first, as rank 0 sees them."""
+        paths: list = [None]
+        if rank == 0:
+            try:
+                infos = list_checkpoints(self.root)
+            except Exception as e:  # the keepers unreachable: the durable checkpoint it is
+                infos = []
+                self.log(f"snapshots: cannot list {self.root} ({type(e).__name__}: {e})")
+            newer = [i for i in infos if i.step > durable_step]
+            good = [i.path for i in newer if not i.problem]
+            for i in newer:
+                if i.problem:
+                    self.log(f"snapshot of step {i.step} is incomplete: {i.problem}")
+            if newer and not good:
+                self.log(
+                    "no complete in-memory snapshot newer than the durable checkpoint of step "
+                    f"{durable_step}: resuming from that checkpoint"
+                )
+            paths = [good]
+        if self.world > 1:
+            dist.broadcast_object_list(paths, src=0, group=control)
+        return paths[0]
+
+    def close(self) -> None:
+        try:
+            self._collect()
+        finally:
+            self.writer.close()

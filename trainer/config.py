@@ -337,6 +337,12 @@ class TrainConfig:
     Checkpoints go to <cluster.storage_path>/<cluster.run_name>/checkpoints."""
     keep_checkpoints: int = 3
     """Newest checkpoints to keep."""
+    snapshot_every: Optional[int] = None
+    """In-memory snapshots (the launcher says where: peers' memory under Ray; none without):
+    every this many steps each rank hands a copy of its shard state (checkpoint format) to be
+    kept off its node, two generations at most, so a crash loses at most this many steps and a
+    restart resumes from memory, at any world size. null: as often as the copy hides behind
+    compute (a snapshot at every step where the previous one has been sent); 0: none."""
     eval_every: int = 0
     """Evaluate the loss on data.eval_sequences held-out sequences every this many steps and at
     the end (0 = never; needs data.eval_fraction > 0)."""
@@ -356,6 +362,14 @@ class TrainConfig:
             fail("train.checkpoint_every", self.checkpoint_every, "an integer >= 0")
         if self.keep_checkpoints < 1:
             fail("train.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
+        if self.snapshot_every is not None and (
+            not isinstance(self.snapshot_every, int) or self.snapshot_every < 0
+        ):
+            fail(
+                "train.snapshot_every",
+                self.snapshot_every,
+                "null (as often as the copy hides behind compute), 0 (none) or steps > 0",
+            )
         if self.eval_every < 0:
             fail("train.eval_every", self.eval_every, "an integer >= 0 (0 = never)")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -67,6 +67,9 @@ class WorkerContext:
     preparation under cfg.data.prepared_dir."""
     resume_from: Optional[str] = None
     """A checkpoint to resume from; None -> the newest valid one in checkpoint_root."""
+    snapshot_root: Optional[str] = None
+    """Where in-memory snapshots go (a pyarrow.fs URI, e.g. the cluster layer's keeper:// on
+    peers' memory; cfg.train.snapshot_every says how often); None -> no snapshots."""
     on_checkpoint: Optional[Callable[[str, int], None]] = None
     """(checkpoint path, step), called on every rank once that step's checkpoint is committed."""
     should_stop: Optional[Callable[[], bool]] = None
@@ -159,6 +162,7 @@ class Trainer:
             device=self.device,
             control=self.control,
             resume_from=ctx.resume_from,
+            snapshot_root=ctx.snapshot_root,
             on_commit=ctx.on_checkpoint,
             log=self.print0,
             data_identity=data_identity(cfg, self.data.digest),
@@ -423,6 +427,7 @@ class Trainer:
             param_dtype=self.cfg.sharding.param_dtype,
         )
         m.update(self.model.metrics(self.optimizer))
+        m.update(self.checkpointer.metrics())  # snapshot/*: the last in-memory snapshot
         m["train/bad_steps"] = float(len(self.result.bad_steps))  # skipped, non-finite, so far
         evaluated = ""
         if eval_loss is not None:

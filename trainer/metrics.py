@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Mapping, Optional, Protocol, runtime_checkable
+from typing import Callable, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -177,10 +177,20 @@ def start_system_metrics(tracking_uri: str, run_id: str, node_id: str, interval_
     the run is no longer RUNNING. Call once per node (local rank 0), not once per worker.
 
     MLflow's SystemMetricsMonitor (needs psutil) logs with its own sample counter as the step;
-    resume_logging continues that counter after a restart instead of logging step 0 again."""
+    resume_logging continues that counter after a restart instead of logging step 0 again. Its
+    first CPU figure would be psutil's 0.0 (psutil 7 measures CPU % between two calls in the
+    same thread): the sampling thread takes its reference first and samples an interval later."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # noqa: PLC0415 -- mlflow costs seconds to import
 
-    monitor = SystemMetricsMonitor(
+    class Monitor(SystemMetricsMonitor):
+        def monitor(self):
+            import psutil  # noqa: PLC0415 -- MLflow's dependency for system metrics
+
+            psutil.cpu_percent()  # this thread's reference for the first sample
+            if not self._shutdown_event.wait(self.sampling_interval):
+                super().monitor()
+
+    monitor = Monitor(
         run_id,
         sampling_interval=interval_s,
         resume_logging=True,
@@ -189,6 +199,78 @@ def start_system_metrics(tracking_uri: str, run_id: str, node_id: str, interval_
     )
     monitor.start()
     return monitor
+
+
+class NodeMetrics:
+    """A node's MLflow system metrics with enough samples to mean something, or none.
+
+    MLflow's monitor samples every `interval_s` from its start. It starts at the first logged
+    step after step 1, when the run's remaining time is known from its step time: the interval
+    is that time over TARGET_SAMPLES, within [MIN_INTERVAL_S, MAX_INTERVAL_S] (a 2-minute run
+    samples every 4 s, a day-long one every 30 s), and where fewer than MIN_SAMPLES would fit,
+    none are taken. `interval_s`, when
+    set (tracking.system_metrics_interval_s), is used as given; 0 turns them off. The decision is
+    tagged on the run (`system_metrics`) by the node of global rank 0."""
+
+    TARGET_SAMPLES = 30
+    MIN_SAMPLES = 10
+    MIN_INTERVAL_S = 1.0
+    MAX_INTERVAL_S = 30.0
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        run_id: str,
+        node_id: str,
+        total_steps: int,
+        interval_s: Optional[float] = None,
+        tag: bool = False,
+        start: Callable[..., object] = start_system_metrics,
+    ):
+        self.tracking_uri, self.run_id, self.node_id = tracking_uri, run_id, node_id
+        self.total_steps, self.interval_s, self.tag = total_steps, interval_s, tag
+        self._start = start
+        self.monitor: Optional[object] = None
+        self.decided: Optional[str] = None  # what was chosen, once it was
+
+    def interval(self, step: int, step_ms: float) -> Optional[float]:
+        """Seconds between samples from step `step` on, or None for no system metrics."""
+        if self.interval_s is not None:
+            return self.interval_s if self.interval_s > 0 else None
+        remaining_s = max(self.total_steps - step, 0) * step_ms / 1000.0
+        interval = min(max(remaining_s / self.TARGET_SAMPLES, self.MIN_INTERVAL_S),
+                       self.MAX_INTERVAL_S)  # fmt: skip
+        return interval if remaining_s / interval >= self.MIN_SAMPLES else None
+
+    def on_step(self, step: int, metrics: dict) -> None:
+        """WorkerContext.after_step (logged steps): decides once, at the first one after step 1
+        (step 1 carries start-up; an explicit interval starts at once)."""
+        if self.decided is not None or (self.interval_s is None and step < 2):
+            return
+        step_ms = float(metrics.get("perf/step_ms", 0.0))
+        interval = self.interval(step, step_ms)
+        if interval is None:
+            left = (self.total_steps - step) * step_ms / 1000.0
+            self.decided = (
+                "off: tracking.system_metrics_interval_s=0"
+                if self.interval_s is not None
+                else f"off: about {left:.0f} s of training left at step {step}, "
+                f"fewer than {self.MIN_SAMPLES} samples of {self.MIN_INTERVAL_S:g} s"
+            )
+        else:
+            self.monitor = self._start(
+                self.tracking_uri, self.run_id, self.node_id, interval_s=interval
+            )
+            self.decided = f"every {interval:.1f} s from step {step}"
+        if self.tag:
+            from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow: seconds to import
+
+            MlflowClient(self.tracking_uri).set_tag(self.run_id, "system_metrics", self.decided)
+
+    def finish(self) -> None:
+        if self.monitor is not None:
+            self.monitor.finish()
+            self.monitor = None
 
 
 def step_metrics(

@@ -4,16 +4,18 @@ A `Location` is a filesystem plus a path inside it, and remembers how the user s
 `str(loc.child('x'))` is again a valid path or URI, query string included, e.g.
 's3://bucket/run/step_000000020?endpoint_override=host:9000&scheme=http'). Everything the
 checkpoints, the prepared data and the run folder do to storage goes through the few functions
-here.
+here. A scheme pyarrow cannot open by itself (the in-memory snapshot keepers' 'keeper://') is
+registered with `register_scheme`, and then resolves like any other URI.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import pyarrow.fs as pafs
 
@@ -52,8 +54,47 @@ class Location:
         return self.display + self.query
 
 
+SchemeFactory = Callable[[str], tuple[pafs.FileSystem, str]]
+"""Turns a whole URI of a registered scheme (query string included) into (filesystem, path)."""
+
+_SCHEMES: dict[str, SchemeFactory] = {}
+_SCHEME_NAME = re.compile(r"^[a-z][a-z0-9+.-]*$")  # RFC 3986 scheme syntax, lower case
+
+
+def register_scheme(scheme: str, factory: SchemeFactory) -> None:
+    """Open 'scheme://...' URIs with `factory(uri) -> (filesystem, path)` instead of pyarrow.
+
+    For filesystems pyarrow cannot build from a URI (e.g. the in-memory snapshot keepers of
+    cluster/elastic/snapshots.py), so that the checkpoint code, which only ever calls `resolve`,
+    runs on them unchanged. A registered scheme takes precedence over pyarrow's own; registering
+    it again replaces the factory (each process registers what it needs, possibly twice).
+    """
+    if not isinstance(scheme, str) or not _SCHEME_NAME.match(scheme):
+        raise StorageError(
+            f"register_scheme scheme={scheme!r}; valid: a lower-case URI scheme without '://' "
+            "(a letter, then letters, digits, '+', '-' or '.'), e.g. 'keeper'"
+        )
+    if not callable(factory):
+        raise StorageError(
+            f"register_scheme({scheme!r}) factory={factory!r}; valid: a callable "
+            "uri -> (pyarrow filesystem, path)"
+        )
+    _SCHEMES[scheme] = factory
+
+
+def unregister_scheme(scheme: str) -> None:
+    """Undo register_scheme: 'scheme://...' goes to pyarrow again."""
+    if scheme not in _SCHEMES:
+        raise StorageError(
+            f"unregister_scheme({scheme!r}): not registered; registered: "
+            f"{', '.join(sorted(_SCHEMES)) or 'none'}"
+        )
+    del _SCHEMES[scheme]
+
+
 def resolve(path_or_uri: str, filesystem: Optional[pafs.FileSystem] = None) -> Location:
-    """A plain path -> LocalFileSystem with the absolute path; 'scheme://...' -> from_uri.
+    """A plain path -> LocalFileSystem with the absolute path; 'scheme://...' -> the factory
+    registered for the scheme (register_scheme), else pyarrow's from_uri.
     With an explicit `filesystem` (e.g. Ray's storage filesystem) the path is used as is."""
     s = str(path_or_uri)
     if filesystem is not None:
@@ -63,10 +104,18 @@ def resolve(path_or_uri: str, filesystem: Optional[pafs.FileSystem] = None) -> L
         p = os.path.abspath(s)
         return Location(pafs.LocalFileSystem(), p, p)
     base, _, query = s.partition("?")
+    factory = _SCHEMES.get(s.partition("://")[0].lower())
     try:
-        fs, p = pafs.FileSystem.from_uri(s)
+        fs, p = factory(s) if factory is not None else pafs.FileSystem.from_uri(s)
+    except StorageError:
+        raise
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for bad URIs
         raise StorageError(f"cannot open storage {s!r}: {e}") from e
+    if not isinstance(fs, pafs.FileSystem) or not isinstance(p, str):
+        raise StorageError(
+            f"cannot open storage {s!r}: the factory registered for its scheme returned "
+            f"({type(fs).__name__}, {type(p).__name__}); valid: (pyarrow.fs.FileSystem, str)"
+        )
     return Location(fs, p.rstrip("/"), base.rstrip("/"), f"?{query}" if query else "")
 
 

@@ -17,16 +17,23 @@ WorkerContext hooks that cluster/worker.py wires up:
   an elastic group from a view of the nodes it renews every 20 s and that counts nodes being
   drained: a restart after a node loss or a preemption would ask for the leaving node and wait
   out the group start timeout (60 s), a node that joined would wait up to 20 s. The callback
-  renews the view when it matters and keeps leaving nodes out of the decision.
+  renews the view when it matters and keeps leaving nodes out of the decision. When Ray grows a
+  running group (a node joined), it first asks the group to drain (`GrowDrain`, grow.py; rank 0
+  reads the request through `DrainRequests` in its DrainWatcher) and waits for the ack, so a
+  join loses no step.
 - `ElasticTracker` (tracker.py, ctx.before_step and ctx.after_step, rank 0): one small JSON
   record per worker-group start, from which come elastic/restarts, elastic/recovery_s (the
   failure to the first step after the resume) and elastic/steps_lost, and a line saying where the
   recovery time went. `chain` makes one before_step hook of the tracker's and the drill's.
+- `replace_rays_watcher` (preemption.py, the driver): Ray Train's preemption watcher, started
+  without the ERROR line Ray's own start logs at every worker-group start.
 
 The run folder (run_folder.py) is Ray Train's (<storage_path>/<run_name>, a local path or any
 pyarrow filesystem):
 
     elastic/fault.json                the fired fault: kind, rank, step, time
+    elastic/drain_request.json        the controller's drain request before a grow (grow.py)
+    elastic/drain_ack.json            rank 0's answer once the drain's checkpoint committed
     elastic/attempts/<start ns>.json  one worker-group start: launch, world size, start step,
                                       progress (last step trained and when), recovery figures
 """
@@ -45,6 +52,8 @@ from cluster.elastic.drain import (
     training,
 )
 from cluster.elastic.faults import DRAIN_ACK_TIMEOUT_S, FAULT_MARKER, FaultInjector
+from cluster.elastic.grow import DrainRequests, GrowDrain
+from cluster.elastic.preemption import replace_rays_watcher
 from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder
 from cluster.elastic.tracker import ATTEMPTS_DIR, ElasticTracker, chain
 
@@ -63,9 +72,12 @@ __all__ = [
     "RunFolder",
     "SigtermCallback",
     "chain",
+    "DrainRequests",
+    "GrowDrain",
     "install_sigterm_handler",
     "leave",
     "preemption_notice",
+    "replace_rays_watcher",
     "training",
     "workers_that_fit",
 ]

@@ -15,6 +15,8 @@ from typing import Optional
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from cluster.elastic.grow import GrowDrain
+
 try:  # Ray's internals, probed: where they moved, the policy's 1 s cache (Ray 2.60) is assumed
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 except ImportError:
@@ -48,16 +50,25 @@ class ClusterView(ControllerCallback):
     the renewal switches it off, Ray's own tick still works; the clipping falls back to Ray's
     decision."""
 
-    def __init__(self, interval_s: float, min_workers: int):
+    def __init__(self, interval_s: float, min_workers: int, grow: Optional[GrowDrain] = None):
+        """`grow`: asks a running group to drain before Ray grows it (None: Ray grows it as is,
+        and the steps since the last checkpoint are trained again)."""
         self.interval_s, self.min_workers = interval_s, min_workers
+        self.grow = grow
         self._last = float("-inf")
         self._off = False
+        self._resizing_running = False  # Ray decided to resize the running group
+        self._size: Optional[int] = None  # the size of the group running (the last decision's)
 
     def after_controller_start(self, train_run_context) -> None:
         self._refresh()
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         kind = type(current_state).__name__
+        if kind == "ResizingState" and type(previous_state).__name__ == "RunningState":
+            self._resizing_running = True  # Running -> Resizing -> Scheduling -> the decision
+        elif kind not in ("ResizingState", "SchedulingState"):
+            self._resizing_running = False
         if kind == "RestartingState":
             time.sleep(self._policy_cache_s())
             self._refresh()
@@ -78,6 +89,33 @@ class ClusterView(ControllerCallback):
                 flush=True,
             )
             resize_decision.num_workers = fits
+        growing = self._size is not None and resize_decision.num_workers > self._size
+        if self._resizing_running and growing and self.grow is not None:
+            self._drain_before_resize(resize_decision.num_workers)
+        self._resizing_running = False
+        self._size = resize_decision.num_workers
+
+    def _drain_before_resize(self, num_workers: int) -> None:
+        """The running group checkpoints the step it is at before Ray tears it down."""
+        try:
+            t0 = time.monotonic()
+            ack = self.grow.drain(f"Ray is resizing the group to {num_workers} workers")
+        except Exception as e:  # never fail the run over an optimisation
+            print(f"elastic: could not drain before the resize ({type(e).__name__}: {e})")
+            return
+        if ack is None:
+            print(
+                f"elastic: the group did not drain within {self.grow.timeout_s:.0f} s; resizing "
+                f"to {num_workers} workers anyway (the steps since its last checkpoint are "
+                "trained again)",
+                flush=True,
+            )
+        else:
+            print(
+                f"elastic: drained at step {ack['step']} in {time.monotonic() - t0:.1f} s "
+                f"before resizing to {num_workers} workers",
+                flush=True,
+            )
 
     @staticmethod
     def _policy_cache_s() -> float:

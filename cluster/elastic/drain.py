@@ -98,16 +98,25 @@ class SigtermCallback(WorkerCallback):
 
 
 class DrainWatcher:
-    """WorkerContext.should_stop: True once a SIGTERM arrived or Ray announced a preemption.
+    """WorkerContext.should_stop: True once a SIGTERM arrived, Ray announced a preemption or the
+    controller asked the group to drain (a node joined: grow.py).
 
     `preemption_info` returns Ray's notice or None (`preemption_notice()` under Ray). It is
     called on every poll, even once the answer is known: the public ray.train.get_preemption_info
     is a barrier across the workers, so every rank must call it as often as the others (the loop
     polls once per step on every rank, then agrees across ranks with a MAX all-reduce)."""
 
-    def __init__(self, rank: int, preemption_info: Optional[Callable[[], object]] = None):
+    def __init__(
+        self,
+        rank: int,
+        preemption_info: Optional[Callable[[], object]] = None,
+        requests: Optional[Callable[[], Optional[str]]] = None,
+    ):
+        """`requests`: rank 0's reader of the controller's drain requests (grow.py
+        DrainRequests: a node joined); it returns the request's reason or None."""
         self.rank = rank
         self.preemption_info = preemption_info
+        self.requests = requests
         self.reason: Optional[str] = None
         self.leaving = False
         """This process itself must go (it got the SIGTERM, or its node is being preempted);
@@ -124,6 +133,8 @@ class DrainWatcher:
                     f"(deadline {info.deadline_ms} ms)"
                 )
                 self.leaving = self.rank in info.preempted_ranks
+            elif self.requests is not None and (request := self.requests()) is not None:
+                self.reason = f"drain requested ({request})"
             if self.reason is not None:
                 print(
                     f"rank {self.rank}: {self.reason}: leaving after a checkpoint of this step",

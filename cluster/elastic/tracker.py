@@ -50,11 +50,14 @@ class ElasticTracker:
         launch_id: str,
         times: dict[str, Optional[float]],
         clock: Callable[[], float] = time.time,
+        startup: Optional[dict] = None,
     ):
         """`times`: 'context' (Ray created the worker, SigtermCallback), 'entered' (the training
         function started: Ray's backend set up the process group in between), 'imported' (the
-        training stack is imported and the logger attached)."""
+        training stack is imported and the logger attached). `startup`: the driver's phases
+        (LaunchInfo.startup), for the start-up line of the launch's first group."""
         self.folder, self.clock = folder, clock
+        self.startup = startup
         self.active = rank == 0
         self.name = f"{ATTEMPTS_DIR}/{time.time_ns():020d}.json"
         entered = times["entered"]
@@ -147,6 +150,9 @@ class ElasticTracker:
         if first_done:
             pending["first_step"] = now
             self._finish_recovery(pending)
+        if self.startup is not None and self.restarts == 0 and step >= r["start_step"]:
+            print(startup_line(self.startup, r, now), flush=True)
+            self.startup = None  # once
         if save:
             self._save(progress_only=not first_done)
 
@@ -198,6 +204,23 @@ class ElasticTracker:
             f"{pending['resumed_at']}; {lost}; recovery {pending['recovery_s']:.1f} s ({parts})",
             flush=True,
         )
+
+
+def startup_line(driver: dict, record: dict, first_step_done: float) -> str:
+    """`start-up 21.3 s: config 0.4 s | Ray 3.9 s | ... | first step 1.2 s`: the driver's phases
+    (cluster/train.py Startup), then the workers' from the tracker's record: Ray Train's
+    controller and the worker actors (from the trainer's start to the worker's context), the
+    torch process group, the imports, the model, data and checkpoint load, the first step."""
+    r = record
+    phases = [(name, seconds) for name, seconds in driver["phases"]] + [
+        ("workers up", r["context"] - driver["fit_at"]),
+        ("process group", r["started"] - r["context"]),
+        ("imports", r["imported"] - r["started"]),
+        ("model + data + resume", r["ready"] - r["imported"]),
+        ("first step", first_step_done - r["ready"]),
+    ]
+    parts = " | ".join(f"{name} {max(seconds, 0.0):.1f} s" for name, seconds in phases)
+    return f"start-up {first_step_done - driver['began']:.1f} s: {parts}"
 
 
 def chain(*hooks: Optional[Callable[[int], None]]) -> Callable[[int], None]:

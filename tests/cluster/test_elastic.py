@@ -4,15 +4,19 @@ A head node and a second node of one logical CPU each (ray.cluster_utils.Cluster
 worker. Two runs, each compared step by step with the same config trained without Ray and without
 interruption, at the same world sizes (tests/cluster/elastic_reference.py says why):
 
-1. Fixed at 2 workers. Rank 1 crashes before step 5 (fault config); Ray restarts the group, which
-   resumes from the checkpoint of step 3. Then rank 0 gets a SIGTERM: the group checkpoints the
-   step it is at and leaves, and Ray restarts it from there. A second SIGTERM is the third
-   failure with cluster.max_failures=2, so the run stops. Submitted again, it resumes from the
-   last checkpoint and finishes.
-2. Elastic, 1..2 workers. The second node is removed mid-run (its worker dies with it): the run
-   goes on at world size 1. A node is added: the run grows back to 2. Ray is then told that
-   node will be preempted: the group checkpoints the step it is at, the node leaves, and the run
-   goes on at world size 1 having lost no step.
+1. Fixed at 2 workers, durable checkpoints only (every 3 steps, no snapshots). Rank 1 crashes
+   before step 5 (fault config); Ray restarts the group, which resumes from the checkpoint of
+   step 3. Then rank 0 gets a SIGTERM: the group checkpoints the step it is at and leaves, and
+   Ray restarts it from there. A second SIGTERM is the third failure with
+   cluster.max_failures=2, so the run stops. Submitted again, it resumes from the last
+   checkpoint and finishes.
+2. Elastic, 1..2 workers, a durable checkpoint only every 150 steps but an in-memory snapshot
+   every step, kept by a keeper actor on each node (each file on its writer's node and the
+   other). The second node is removed mid-run (its worker and keeper die with it): the run goes
+   on at world size 1 from the newest snapshot, losing at most the steps since it. A node is
+   added: the group checkpoints the step it is at (drain on grow) and Ray grows it back to 2,
+   having lost no step. Ray is then told that node will be preempted: the group checkpoints
+   the step it is at, the node leaves, and the run goes on at world size 1 having lost no step.
 
 Every step's loss (MLflow keeps each step's first training; the retrained ones are in the run's
 elastic records) equals the uninterrupted run's within 1e-5 relative; no step is missing.
@@ -47,10 +51,10 @@ SMALL = [
     "data.max_bytes=300000",
     "train.global_batch_size=6",
     "optim.warmup_steps=2",
-    "train.checkpoint_every=3",
 ]
 CRASH_STEPS = 80
 ELASTIC_STEPS = 300
+SNAPSHOT_EVERY = 1
 RUN_TIMEOUT = 420.0
 REL = 1e-5
 
@@ -141,6 +145,8 @@ def crash_then_drain(cluster, prepared, tmp_path_factory):
         "fault.kill_rank=1",
         "fault.at_step=5",
         "fault.kind=crash",
+        "train.checkpoint_every=3",
+        "train.snapshot_every=0",  # this drill: durable checkpoints only
     )
     first = start_cli(launch, cluster.address, *args)
     for group in (2, 3):  # drain the group restarted after the crash, then the one after that
@@ -263,6 +269,8 @@ def node_lost_then_added(cluster, prepared, tmp_path_factory):
         "cluster.elastic_resize_monitor_interval_s=1",
         "cluster.run_name=elastic",
         "tracking.experiment=elastic",
+        f"train.checkpoint_every={ELASTIC_STEPS // 2}",  # durable: once mid-run, and at the end
+        f"train.snapshot_every={SNAPSHOT_EVERY}",  # in the keepers' memory, on both nodes
     )
     run = start_cli(launch, cluster.address, *args)
     wait_until(
@@ -324,6 +332,11 @@ def test_run_goes_on_at_the_smaller_size_when_a_node_is_lost_and_grows_when_one_
     assert "cannot renew Ray's cluster view" not in r["out"]
     assert all(a["last_step"] >= a["start_step"] for a in records), "every group trained"
     assert records[-1]["last_step"] == ELASTIC_STEPS - 1
+    lost_node = records[1]
+    assert lost_node["recovery"]["steps_lost"] <= SNAPSHOT_EVERY + 1, (
+        "a node's death costs at most the steps since the newest snapshot (one may be in flight)"
+    )
+    assert "resumed from keeper://" in r["out"]
     for restart in records[1:]:
         lost = restart["recovery"]["steps_lost"]
         assert restart["recovery"]["recovery_s"] > 0
@@ -336,6 +349,19 @@ def test_run_goes_on_at_the_smaller_size_when_a_node_is_lost_and_grows_when_one_
     assert changes == [2.0, 1.0, 2.0, 1.0]
     assert history(r["launch"], run, "elastic/restarts")[-1] == (ELASTIC_STEPS - 1, 3.0)
     assert len(history(r["launch"], run, "elastic/recovery_s")) == 3
+
+
+def test_a_joined_node_grows_the_group_after_it_checkpointed_the_step_it_was_at(
+    node_lost_then_added,
+):
+    """Drain on grow (cluster/elastic/grow.py): before Ray tears the running group down to
+    grow it, the group commits a checkpoint of the step it is at, so the join loses no step."""
+    r = node_lost_then_added
+    before, grown = r["records"][1:3]
+    assert (before["world_size"], grown["world_size"]) == (1, 2)
+    assert before["left_at"]["step"] == before["last_step"] + 1 == grown["start_step"]
+    assert grown["recovery"]["steps_lost"] == 0 and "retrained_losses" not in grown
+    assert f"elastic: drained at step {grown['start_step']}" in r["out"]
 
 
 def test_preempted_node_checkpoints_the_step_it_is_at_and_loses_nothing(node_lost_then_added):

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -182,6 +184,29 @@ def test_first_group_reports_no_restart_and_no_recovery(folder):
     assert metrics[0] == {"elastic/restarts": 0.0} and metrics[-1] == {"elastic/restarts": 0.0}
 
 
+def test_the_first_group_prints_the_start_up_phases_once_and_a_restart_does_not(folder, capsys):
+    clock = Clock()
+    began = clock.t - 20.0
+    driver = {
+        "began": began,
+        "phases": [["config", 0.5], ["Ray", 4.0], ["data", 0.25], ["MLflow", 1.0]],
+        "fit_at": began + 7.0,
+    }
+    times = {"context": clock.t - 1.0, "entered": clock.t, "imported": clock.t + 2.0}
+    tracker = ElasticTracker(folder, 0, 2, "L1", times, clock=clock, startup=driver)
+    clock.t += 3.0  # model, data and checkpoint load: ready at +3
+    train(tracker, clock, range(3), step_s=1.5)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("start-up")]
+    assert line == (
+        "start-up 24.5 s: config 0.5 s | Ray 4.0 s | data 0.2 s | MLflow 1.0 s | workers up "
+        "12.0 s | process group 1.0 s | imports 2.0 s | model + data + resume 1.0 s | "
+        "first step 1.5 s"
+    )
+    restarted = ElasticTracker(folder, 0, 2, "L1", times, clock=clock, startup=driver)
+    train(restarted, clock, range(2, 4))
+    assert "start-up" not in capsys.readouterr().out
+
+
 def test_crash_recovery_counts_the_steps_since_the_checkpoint_and_times_from_the_fault(folder):
     clock = Clock()
     first = start_group(folder, clock)
@@ -304,3 +329,99 @@ def test_cluster_view_lowers_a_decision_to_the_staying_nodes_but_never_below_min
         decision = SimpleNamespace(num_workers=decided, resources_per_worker={"CPU": 1.0})
         view.before_controller_execute_resize_decision(decision)
         assert decision.num_workers == expected, (fits, decided)
+
+
+# ---- drain on grow (grow.py) -------------------------------------------------------------------
+
+
+def test_a_grow_drain_request_stops_rank_0_which_acks_once_its_checkpoint_committed(folder):
+    requests = elastic.DrainRequests(folder, "L1")
+    watcher = DrainWatcher(0, requests=requests)
+    assert not watcher()  # nothing asked yet
+    grow = elastic.GrowDrain(folder, timeout_s=30, launch_id="L1", poll_s=0.01)
+    answer = {}
+
+    def controller():
+        answer["ack"] = grow.drain("Ray is resizing the group to 3 workers")
+
+    thread = threading.Thread(target=controller)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not watcher() and time.monotonic() < deadline:  # the loop polls once per step
+        time.sleep(0.01)
+    assert watcher.reason == "drain requested (Ray is resizing the group to 3 workers)"
+    assert not watcher.leaving  # the group restarts; no process has to go
+    requests.acknowledge(step=17)  # cluster/worker.py, after the loop committed step 17
+    thread.join(30)
+    assert answer["ack"]["step"] == 17
+    assert folder.read("drain_request.json")["id"] is None  # answered: no later group drains
+    later = DrainWatcher(0, requests=elastic.DrainRequests(folder, "L1"))
+    assert not later()
+
+
+def test_a_group_that_does_not_answer_is_grown_anyway_after_the_timeout(folder):
+    clock = Clock(0.0)
+
+    def ticking() -> float:
+        clock.t += 0.5
+        return clock.t
+
+    grow = elastic.GrowDrain(folder, timeout_s=2.0, launch_id="L1", poll_s=0.0)
+    assert grow.drain("resize to 2", clock=ticking) is None
+    assert folder.read("drain_request.json")["id"] is None
+    assert elastic.GrowDrain(folder, timeout_s=0, launch_id="L1").drain("off") is None
+
+
+def test_a_request_another_launch_left_open_is_not_this_ones(folder):
+    folder.write("drain_request.json", {"id": "x", "reason": "old", "launch": "L0"})
+    assert elastic.DrainRequests(folder, "L1")() is None
+    assert elastic.DrainRequests(folder, "L0")() == "old"
+
+
+def test_a_group_that_trained_to_the_end_answers_a_request_it_did_not_see(folder):
+    requests = elastic.DrainRequests(folder, "L1", every_s=3600.0)
+    assert requests() is None  # polled before the request: the next poll would be an hour later
+    folder.write("drain_request.json", {"id": "late", "reason": "grow", "launch": "L1"})
+    requests.finished(step=300)
+    assert folder.read("drain_ack.json") == {"id": "late", "step": 300}
+
+
+def test_an_object_store_is_asked_at_most_once_a_second(folder, monkeypatch):
+    reads = []
+    monkeypatch.setattr(folder, "read", lambda name: reads.append(name))
+    requests = elastic.DrainRequests(folder, "L1", every_s=1.0)
+    for _ in range(50):
+        requests()
+    assert len(reads) == 1
+
+
+def test_the_controller_drains_a_running_group_only_before_growing_it(monkeypatch):
+    """Ray also "resizes" a running group to its own size (a preempted node it still counts,
+    clipped back by ClusterView): draining then would only stall the controller."""
+
+    class Grow:
+        timeout_s, calls = 30.0, []
+
+        def drain(self, reason):
+            self.calls.append(reason)
+            return {"step": 5}
+
+    grow = Grow()
+    view = elastic.ClusterView(interval_s=1e9, min_workers=1, grow=grow)
+    monkeypatch.setattr(view, "_refresh", lambda: None)
+    fits = {"n": 1}
+    monkeypatch.setattr(elastic.cluster_view, "workers_that_fit", lambda per_worker: fits["n"])
+    state = {name: type(name, (), {})() for name in ("RunningState", "ResizingState")}
+
+    def decide(n):
+        decision = SimpleNamespace(num_workers=n, resources_per_worker={"CPU": 1.0})
+        view.before_controller_execute_resize_decision(decision)
+        return decision.num_workers
+
+    assert decide(1) == 1 and grow.calls == []  # the first group: nothing runs yet
+    view.after_controller_state_update(state["RunningState"], state["ResizingState"])
+    assert decide(2) == 1 and grow.calls == []  # clipped to the running size: no drain
+    fits["n"] = 2
+    view.after_controller_state_update(state["RunningState"], state["ResizingState"])
+    assert decide(2) == 2 and grow.calls == ["Ray is resizing the group to 2 workers"]
+    assert decide(2) == 2 and len(grow.calls) == 1  # a restart at that size: not a grow

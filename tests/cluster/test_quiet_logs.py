@@ -85,18 +85,9 @@ def outside_ray_cleaner_bug(lines: list[str]) -> list[str]:
     return [line for line in lines if "(PlacementGroupCleaner pid=" not in line]
 
 
-def outside_preemption_watcher_line(lines: list[str]) -> list[str]:
-    """Ray Train 2.60 creates its PreemptionWatcher with max_restarts=-1 and actor handles as
-    constructor arguments, and Ray core logs that at ERROR level at every group start. Starting
-    our own watcher without restarts instead (and Ray's off) silenced it but lost Ray's
-    preemption notices in the workers (tests/cluster/test_elastic.py's preemption drain failed),
-    so that one line of Ray's is still printed: set aside here by its exact text, and only it."""
-    return [line for line in lines if "'PreemptionWatcher'" not in line]
-
-
 def test_healthy_run_prints_no_error_level_line(healthy_run):
     _, lines = healthy_run
-    lines = outside_preemption_watcher_line(outside_ray_cleaner_bug(lines))
+    lines = outside_ray_cleaner_bug(lines)
     assert matching(lines, ERROR_LEVEL) == []
 
 
@@ -197,3 +188,47 @@ def test_token_auth_note_is_dropped_unless_verbose(restored_loggers):
     assert not logger.filter(note) and logger.filter(disabled)
     quiet_ray_driver(verbose=True)
     assert logger.filter(note)
+
+
+def test_a_sweep_jobs_lines_carry_its_prefix_once_however_they_are_written():
+    import io  # noqa: PLC0415 -- this test only
+    import threading  # noqa: PLC0415 -- this test only
+
+    from cluster.logs import Tee  # noqa: PLC0415 -- next to its test
+
+    console, file = io.StringIO(), io.StringIO()
+    shared = [True]
+    out = Tee(console, file, threading.Lock(), "[job 2/4 sharding=no_shard] ", shared)
+    err = Tee(console, file, threading.Lock(), "[job 2/4 sharding=no_shard] ", shared)
+    assert out.write("step 1") == len("step 1")
+    out.write("/4 | loss 3.1\n\x1b[36m(RayTrainWorker pid=7)\x1b[0m step 2/4\nwarn")
+    err.write("ing: x\n")
+    expected = [
+        "[job 2/4 sharding=no_shard] step 1/4 | loss 3.1",
+        "[job 2/4 sharding=no_shard] (RayTrainWorker pid=7) step 2/4",
+        "[job 2/4 sharding=no_shard] warning: x",
+    ]
+    assert file.getvalue().splitlines() == expected  # colours stripped in the file only
+    assert "\x1b[36m" in console.getvalue()
+
+
+def test_rank_0s_end_of_output_line_is_noted_not_shown():
+    """The driver waits for it after fit() (Ray forwards worker output asynchronously)."""
+    import io  # noqa: PLC0415 -- this test only
+    import threading  # noqa: PLC0415 -- this test only
+
+    from cluster.logs import Tee, end_of_output, wait_for_workers_output  # noqa: PLC0415
+
+    console = io.StringIO()
+    out = Tee(console, None, threading.Lock(), "[job 1/2 x=1] ")
+    assert not wait_for_workers_output("launch-a", timeout_s=0.01)
+    out.write("(RayTrainWorker pid=7) step 3/3 | loss 1.0")
+    out.write("\n")
+    out.write(f"(RayTrainWorker pid=7) {end_of_output('launch-a')}")
+    out.write("\n")
+    out.write("== done ==\n")
+    assert wait_for_workers_output("launch-a", timeout_s=0.01)
+    assert console.getvalue().splitlines() == [
+        "[job 1/2 x=1] (RayTrainWorker pid=7) step 3/3 | loss 1.0",
+        "[job 1/2 x=1] == done ==",
+    ]

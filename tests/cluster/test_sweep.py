@@ -9,6 +9,7 @@ The bad-value tests run no Ray at all: they must fail before anything starts.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,22 @@ def test_sweep_is_one_parent_run_with_one_child_per_strategy(sweep):
     assert parent.data.params["model.n_layers"] == "2"  # shared by every job
     assert "sharding.strategy" not in parent.data.params  # swept: each child has its own
     assert output.count("Started a local Ray instance") == 1  # one Ray for the whole sweep
+
+
+def test_every_line_of_a_job_says_which_job_it_is(sweep):
+    """The workers' step lines (forwarded by Ray through the driver) and the driver's own lines
+    of a job start with '[job k/n <swept values>]'; the sweep's own lines do not."""
+    _, output, _, _ = sweep
+    lines = output.splitlines()
+    step_lines = [line for line in lines if re.search(r"step +\d+/\d+ \| loss", line)]
+    assert len(step_lines) >= STEPS * len(STRATEGIES)
+    for num, strategy in enumerate(STRATEGIES, start=1):
+        prefix = f"[job {num}/{len(STRATEGIES)} sharding={strategy}] "
+        mine = [line for line in step_lines if line.startswith(prefix)]
+        assert any(f"step {STEPS}/{STEPS} |" in line for line in mine), (prefix, step_lines)
+        assert prefix + "== done ==" in lines
+    assert all(line.startswith("[job ") for line in step_lines), step_lines
+    assert any(line.startswith("sweep: 3 jobs checked") for line in lines)
 
 
 def test_each_childs_params_are_its_resolved_config(sweep, tmp_path):
@@ -273,11 +290,11 @@ def test_a_bad_value_in_a_later_job_fails_before_the_first_job_starts(launch_dir
     assert_nothing_started(result, launch_dir)
     out = result.output
     assert (
-        "sweep job 1 (sharding=full_shard train.steps=0): invalid config: train.steps=0; "
+        "sweep job 2/4 (sharding=full_shard train.steps=0): invalid config: train.steps=0; "
         "valid: a positive integer" in out
     )
     assert (
-        "sweep job 2 (sharding=full_shrad train.steps=3): In 'config': Could not find "
+        "sweep job 3/4 (sharding=full_shrad train.steps=3): In 'config': Could not find "
         "'sharding/full_shrad'" in out
     )
     assert "\tshard_grad_op" in out
@@ -338,3 +355,21 @@ def test_system_metrics_are_kept_apart_per_worker_node(store):
     for node in ("10.0.0.1", "10.0.0.2"):
         assert f"system/{node}/cpu_utilization_percentage" in metrics
         assert f"system/{node}/system_memory_usage_megabytes" in metrics
+
+
+def test_experiments_open_as_model_training_and_the_printed_page_says_so(store):
+    """MLflow 3's UI opens in its GenAI mode (no runs table) unless the experiment's kind or the
+    URL says model training: the experiment is tagged, and the printed page asks for the mode."""
+    from cluster.tracking import experiment_of, ui_url  # noqa: PLC0415 -- next to its test
+
+    run_id = create_run(JobConfig(), store)
+    experiment = experiment_of(store, run_id)
+    tags = MlflowClient(store).get_experiment(experiment).tags
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+    assert ui_url(store, experiment, run_id) == (
+        f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run_id}"
+        "?workflowType=machine_learning"
+    )
+    assert ui_url("https://mlflow.example:8443/", "7") == (
+        "https://mlflow.example:8443/#/experiments/7/runs?workflowType=machine_learning"
+    )

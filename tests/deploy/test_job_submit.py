@@ -1,17 +1,18 @@
-"""`ray job submit --working-dir <repo> -- python -m cluster.train ...` against a real Ray head.
+"""`python -m cluster.submit -- python -m cluster.train ...` against a real Ray head.
 
 deploy/README.md section 9, run for real: a Ray 2.60 head on loopback with token authentication
 on (its own temp dir, ports and token; tests/deploy/local_ray_head.py), the real entry point
-submitted with the `ray` CLI and the checkout uploaded through .rayignore, two CPU workers, a
-few steps. One job backs every test below (1.5-2.5 min on this loaded 2-core machine, most of
-it Ray and worker start-up); the head is stopped, and only that head, before they look at what
-it left.
+submitted with `python -m cluster.submit` (`ray job submit` with the checkout's git commit added
+to the runtime env), the checkout uploaded through .rayignore, two CPU workers, a few steps. One
+job backs every test below (1.5-2.5 min on this loaded 2-core machine, most of it Ray and worker
+start-up); the head is stopped, and only that head, before they look at what it left.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from deploy_helpers import REPO_ROOT
-from local_ray_head import RAY, RayHead, local_ray_head
+from local_ray_head import RayHead, local_ray_head
 from mlflow.tracking import MlflowClient
 
 from trainer.checkpoint import list_checkpoints
@@ -81,17 +82,17 @@ def tracking_uri(out: Path) -> str:
 
 
 def submit_command(head: RayHead, out: Path) -> list[str]:
+    """deploy/README's `python -m cluster.submit` (ray job submit, the checkout's commit added
+    to the runtime env given here; --working-dir defaults to the checkout)."""
     runtime_env = {"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}}
     return [
-        RAY,
-        "job",
-        "submit",
+        sys.executable,
+        "-m",
+        "cluster.submit",
         "--address",
         head.dashboard_url,
         "--submission-id",
         JOB_ID,
-        "--working-dir",
-        str(REPO_ROOT),
         "--runtime-env-json",
         json.dumps(runtime_env),
         "--",
@@ -138,7 +139,7 @@ def submit(head: RayHead, out: Path) -> tuple[int | None, str]:
     try:
         proc = subprocess.run(
             submit_command(head, out),
-            env=head.client_env(),
+            env={**head.client_env(), "PYTHONPATH": str(REPO_ROOT)},  # cwd is not the checkout
             cwd=out,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -231,6 +232,24 @@ def test_mlflow_has_the_finished_run_with_a_loss_per_step(job):
     losses = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
     assert [m.step for m in losses] == list(range(1, STEPS + 1))  # step N = N steps done
     assert losses[-1].value < losses[0].value
+
+
+def git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_the_run_names_the_commit_and_dirty_state_of_the_submitting_checkout(job):
+    """The job ran from Ray's copy of the working tree, without .git: cluster.submit carried
+    the answer over (asked of git here, independently of the code under test)."""
+    client = MlflowClient(tracking_uri(job.out))
+    (run,) = client.search_runs([client.get_experiment_by_name(RUN_NAME).experiment_id])
+    head = git("rev-parse", "HEAD")
+    dirty = "true" if git("status", "--porcelain", "--untracked-files=no") else "false"
+    assert f"source: {head[:12]}" in job.output
+    assert run.data.tags["mlflow.source.git.commit"] == head
+    assert run.data.tags["git_dirty"] == dirty
 
 
 def test_both_ranks_wrote_their_shards_of_every_checkpoint(job):

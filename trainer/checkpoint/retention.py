@@ -24,9 +24,14 @@ log = logging.getLogger(__name__)
 
 
 def apply_retention(
-    root: Location, keep: int, committed_step: int, protected: set[str]
+    root: Location,
+    keep: int,
+    committed_step: int,
+    protected: set[str],
+    level: int = logging.INFO,
 ) -> list[str]:
-    """Delete what falls outside the policy; return the deleted directories."""
+    """Delete what falls outside the policy; return the deleted directories (each logged at
+    `level`: in-memory snapshots, replaced every step, use DEBUG)."""
     deleted, kept = [], 0
     for step, loc in step_dirs(root.path, root.fs):
         if step > committed_step:
@@ -39,7 +44,8 @@ def apply_retention(
             continue
         # Display form rebuilt from the root so URIs keep their query string.
         display = root.child(loc.name)
-        log.info(
+        log.log(
+            level,
             "checkpoint retention: deleting %s (%s)",
             display,
             "older than the newest %d" % keep if committed else "uncommitted leftover",

@@ -51,6 +51,7 @@ class CheckpointWriter:
         filesystem: Optional[pafs.FileSystem] = None,
         block_bytes: int = BLOCK_BYTES,
         group: Optional[dist.ProcessGroup] = None,
+        retention_log_level: int = logging.INFO,
     ):
         """`root`: a local path or a pyarrow.fs URI (or a path inside `filesystem`); checkpoints
         go to f"{root}/step_{step:09d}". `keep`: committed checkpoints kept by rank 0.
@@ -67,6 +68,7 @@ class CheckpointWriter:
         self._filesystem = filesystem
         self._group = group
         self.keep, self.async_save, self.block_bytes = keep, async_save, block_bytes
+        self.retention_log_level = retention_log_level
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="ckpt-save") if async_save else None
         )
@@ -210,7 +212,7 @@ class CheckpointWriter:
     def _retain(self, step: int) -> None:
         # The checkpoint is committed: a failure to delete old ones must not fail the save.
         try:
-            apply_retention(self.root, self.keep, step, self._protected)
+            apply_retention(self.root, self.keep, step, self._protected, self.retention_log_level)
         except OSError as e:
             log.warning(
                 "checkpoint retention under %s failed (nothing committed is lost): %s", self.root, e

@@ -1,0 +1,425 @@
+"""In-memory checkpoint snapshots kept on peer nodes (issue 17, after "Gemini", SOSP '23).
+
+A snapshot is an ordinary checkpoint (trainer/checkpoint: the same writer, commit, retention,
+reader, resharding and validation) written under "keeper://<run_key>/<path>": a pyarrow
+filesystem whose files live in the memory of Ray actors, one keeper per node.
+
+    register_keeper_scheme()                    # in every process that reads or writes them
+    ensure_keeper(run_key, node_id)             # by each worker; a node's workers share one
+    root = f"keeper://{run_key}/snapshots"
+    CheckpointWriter(root, keep=2).save(...)    # or latest_checkpoint(root), CheckpointReader
+    stop_keepers(run_key)                       # the driver, when the job ends
+
+Placement, what lets a snapshot survive the loss of any one node: every file is stored on two
+keepers, the writing process's own node's and its peer's, the next node id after it in the
+sorted list of nodes that have a keeper (wrapping around). So each file has a copy on a node
+other than the one that wrote it. With a single node there is only one copy: a worker crash is
+still covered (the keeper is its own process and outlives the worker group), a node loss is not.
+A file that lost a copy is not copied again; the next snapshot is placed among the nodes left.
+
+Keepers are named, detached, 0-CPU actors pinned to their node (NodeAffinity, soft=False): they
+outlive a failed worker group that Ray Train restarts, and die with their node instead of
+moving (a moved keeper would hold nothing). Reads go to any live keeper holding the file, this
+node's first, and fetch only the byte range asked for (the checkpoint reader reads by range).
+Directories are implicit: one exists while a file lies under it, and create_dir does nothing.
+Memory: a node holds `keep` snapshots of the shards written on it and on the node before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import urllib.parse
+from typing import Optional
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.keeper import SnapshotKeeper
+from trainer import storage
+
+NAMESPACE = "elastic-fsdp"
+"""Ray namespace of the keepers, whatever namespace the process that starts them runs in."""
+SCHEME = "keeper"
+_NAME_PREFIX = "snapshot-keeper"
+_RUN_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+_KeeperActor = ray.remote(SnapshotKeeper)
+
+_HANDLES: dict[str, dict[str, ActorHandle]] = {}
+"""Per run key, node id -> keeper handle already looked up in this process (one GCS round trip
+per keeper saved on every filesystem call; the listing of live keepers is still asked each time)."""
+
+
+def _check_run_key(run_key: str) -> None:
+    if not isinstance(run_key, str) or not _RUN_KEY.match(run_key):
+        raise ValueError(
+            f"snapshot run_key={run_key!r}; valid: letters, digits, '.', '_' and '-', starting "
+            "with a letter or digit (it is the host part of keeper://<run_key>/...)"
+        )
+
+
+def run_key_of(run_name: str, launch_id: str) -> str:
+    """The keepers' key of one launch of a run: its snapshots live as long as the launch (the
+    driver stops the keepers when it ends), and a new launch never reads an old one's."""
+    launch = hashlib.sha1(launch_id.encode()).hexdigest()[:10]
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '-', run_name).lstrip('._-') or 'run'}-{launch}"
+
+
+def keeper_name(run_key: str, node_id: str) -> str:
+    """The Ray actor name of `run_key`'s keeper on node `node_id` (in NAMESPACE)."""
+    _check_run_key(run_key)
+    return f"{_NAME_PREFIX}:{run_key}:{node_id}"
+
+
+def ensure_keeper(run_key: str, node_id: str) -> ActorHandle:
+    """The keeper of `run_key` on node `node_id`, started there if there is none yet.
+
+    Every worker of a node may call this at the same time: they all get the one keeper.
+    """
+    handle = _KeeperActor.options(
+        name=keeper_name(run_key, node_id),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        get_if_exists=True,
+    ).remote()
+    _HANDLES.setdefault(run_key, {})[node_id] = handle
+    return handle
+
+
+def keepers(run_key: str) -> dict[str, ActorHandle]:
+    """node id -> handle of every live keeper of `run_key`. A keeper that died (with its node,
+    or stopped) is not listed: Ray frees a dead actor's name."""
+    prefix = keeper_name(run_key, "")
+    live = [
+        a["name"][len(prefix) :]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
+    ]
+    cache = _HANDLES.setdefault(run_key, {})
+    for node in set(cache) - set(live):
+        cache.pop(node, None)
+    out = {}
+    for node in live:
+        if node not in cache:
+            try:
+                cache[node] = ray.get_actor(prefix + node, namespace=NAMESPACE)
+            except ValueError:  # it died between the listing and the lookup
+                continue
+        out[node] = cache[node]
+    return out
+
+
+def stop_keepers(run_key: str) -> list[str]:
+    """Kill every keeper of `run_key`, freeing the memory its snapshots held (the driver, at the
+    end of the job: detached actors outlive it otherwise). Returns their node ids."""
+    found = keepers(run_key)
+    for handle in found.values():
+        ray.kill(handle, no_restart=True)
+    _HANDLES.pop(run_key, None)
+    return sorted(found)
+
+
+def stop_keeper(run_key: str, node_id: str) -> bool:
+    """Kill `run_key`'s keeper on `node_id` (its node is leaving); False if there was none."""
+    handle = keepers(run_key).get(node_id)
+    if handle is None:
+        return False
+    ray.kill(handle, no_restart=True)
+    _HANDLES.get(run_key, {}).pop(node_id, None)
+    return True
+
+
+def register_keeper_scheme() -> None:
+    """Make trainer.storage open "keeper://<run_key>/<path>" on the keepers of `run_key`, with
+    this process's node as the home node of what it writes. Call it in each process (worker,
+    driver, test) before it resolves such a URI; calling it again is harmless."""
+    storage.register_scheme(SCHEME, _open_keeper_uri)
+
+
+def _open_keeper_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    if not ray.is_initialized():
+        raise storage.StorageError(
+            f"cannot open storage {uri!r}: keeper:// needs this process connected to Ray "
+            "(ray.init, or a Ray worker)"
+        )
+    parts = urllib.parse.urlsplit(uri)
+    home = ray.get_runtime_context().get_node_id()
+    return pafs.PyFileSystem(KeeperFileSystem(parts.netloc, home)), "/" + parts.path.strip("/")
+
+
+def _key(path: str) -> str:
+    """A path as keepers store it: '/a/b/' and 'a/b' are both 'a/b'; the root is ''."""
+    return path.strip("/")
+
+
+class KeeperFileSystem(pafs.FileSystemHandler):
+    """The keepers of one run as a pyarrow filesystem; use it as
+    `pafs.PyFileSystem(KeeperFileSystem(run_key, home_node_id))` (or through keeper:// URIs).
+    Files written go to the home node's keeper and its peer's (see the module docstring)."""
+
+    def __init__(self, run_key: str, home_node_id: str):
+        _check_run_key(run_key)
+        self.run_key, self.home = run_key, home_node_id
+
+    def __reduce__(self):
+        return KeeperFileSystem, (self.run_key, self.home)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KeeperFileSystem) and (self.run_key, self.home) == (
+            other.run_key,
+            other.home,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.run_key, self.home))
+
+    def equals(self, other) -> bool:
+        return self == other
+
+    def get_type_name(self) -> str:
+        return SCHEME
+
+    def normalize_path(self, path: str) -> str:
+        return "/" + _key(path)
+
+    # ------------------------------------------------------------------ keepers
+
+    def _where(self, key: str) -> str:
+        return f"keeper://{self.run_key}/{key}"
+
+    def _ask(
+        self, method: str, *args, among: Optional[dict[str, ActorHandle]] = None
+    ) -> dict[str, object]:
+        """`method(*args)` on every live keeper (or those `among`) at once: node id -> answer.
+        A keeper that dies meanwhile is left out, and so are the copies it held."""
+        among = keepers(self.run_key) if among is None else among
+        refs = {n: getattr(h, method).remote(*args) for n, h in among.items()}
+        out = {}
+        for node, ref in refs.items():
+            try:
+                out[node] = ray.get(ref)
+            except RayActorError:
+                _HANDLES.get(self.run_key, {}).pop(node, None)
+        return out
+
+    def _targets(self) -> dict[str, ActorHandle]:
+        """The keepers a file written now goes to: home's and its peer's (one when alone)."""
+        found = keepers(self.run_key)
+        if self.home not in found:
+            found[self.home] = ensure_keeper(self.run_key, self.home)
+        nodes = sorted(found)
+        peer = nodes[(nodes.index(self.home) + 1) % len(nodes)]
+        return {n: found[n] for n in (self.home, peer)}
+
+    def _store(self, key: str, data: bytes) -> None:
+        """Put the file on its keepers. A keeper that fails the put was lost meanwhile, or is a
+        handle this process kept of a keeper since replaced under the same name: forget the
+        handles and place the file once more among the keepers live now."""
+        ref = ray.put(data)  # one copy in the object store, pulled by both keepers
+        for attempt in (1, 2):
+            targets = self._targets()
+            try:
+                ray.get([h.put.remote(key, ref) for h in targets.values()])
+                return
+            except RayActorError as e:
+                for node in targets:
+                    _HANDLES.get(self.run_key, {}).pop(node, None)
+                if attempt == 2:
+                    raise OSError(
+                        f"{self._where(key)}: not stored: a keeper failed the put on both tries, "
+                        f"the second time one of nodes {sorted(targets)} ({e})"
+                    ) from e
+
+    def _holders(self, key: str) -> tuple[list[tuple[str, ActorHandle]], int]:
+        """(node, keeper) of every live keeper holding the file `key`, home first, and its size
+        ([] and 0 when none does)."""
+        found = keepers(self.run_key)
+        sizes = {
+            n: held[key]
+            for n, held in self._ask("info", [key], among=found).items()
+            if held.get(key) is not None
+        }
+        order = sorted(sizes, key=lambda n: (n != self.home, n))
+        return [(n, found[n]) for n in order], sizes[order[0]] if order else 0
+
+    # ------------------------------------------------------------------ info
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        keys = [_key(p) for p in paths]
+        found: dict[str, Optional[int]] = {}
+        for held in self._ask("info", [k for k in keys if k]).values():
+            for k, size in held.items():
+                if size is not None or k not in found:
+                    found[k] = size
+        out = []
+        for p, k in zip(paths, keys):
+            if not k or (k in found and found[k] is None):
+                out.append(pafs.FileInfo(p, pafs.FileType.Directory))
+            elif k in found:
+                out.append(pafs.FileInfo(p, pafs.FileType.File, size=found[k]))
+            else:
+                out.append(pafs.FileInfo(p, pafs.FileType.NotFound))
+        return out
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        base = _key(selector.base_dir)
+        prefix = f"{base}/" if base else ""
+        files: dict[str, int] = {}
+        for listing in self._ask("list", prefix).values():
+            files.update(listing)
+        if not files:
+            info = self.get_file_info([selector.base_dir])[0]
+            if info.type == pafs.FileType.File:
+                raise NotADirectoryError(f"{self._where(base)}: not a directory")
+            if selector.allow_not_found or not base:
+                return []
+            raise FileNotFoundError(f"{self._where(base)}: no such directory")
+        lead = selector.base_dir.rstrip("/")
+        lead = f"{lead}/" if lead or selector.base_dir.startswith("/") else ""
+        entries: dict[str, Optional[int]] = {}  # relative path -> size; None for a directory
+        for path, size in files.items():
+            parts = path[len(prefix) :].split("/")
+            for i in range(1, (len(parts) if selector.recursive else 1) + 1):
+                rel = "/".join(parts[:i])
+                entries[rel] = size if i == len(parts) else None
+        return [
+            pafs.FileInfo(lead + rel, pafs.FileType.Directory)
+            if size is None
+            else pafs.FileInfo(lead + rel, pafs.FileType.File, size=size)
+            for rel, size in sorted(entries.items())
+        ]
+
+    # ------------------------------------------------------------------ changes
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        """Nothing to do: a directory exists while a file lies under it."""
+
+    def delete_dir(self, path: str) -> None:
+        key = _key(path)
+        if not key:
+            raise OSError(f"{self._where('')}: refusing to delete the root (delete its contents)")
+        if not sum(self._ask("delete_prefix", f"{key}/").values()):
+            raise FileNotFoundError(f"{self._where(key)}: no such directory")
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        key = _key(path)
+        deleted = sum(self._ask("delete_prefix", f"{key}/" if key else "").values())
+        if key and not deleted and not missing_dir_ok:
+            raise FileNotFoundError(f"{self._where(key)}: no such directory")
+
+    def delete_root_dir_contents(self) -> None:
+        self._ask("delete_prefix", "")
+
+    def delete_file(self, path: str) -> None:
+        key = _key(path)
+        if not any(self._ask("delete", key).values()):
+            raise FileNotFoundError(f"{self._where(key)}: no such file")
+
+    def move(self, src: str, dest: str) -> None:
+        """Renamed on every keeper holding it: the copies stay where they were placed."""
+        if not sum(self._ask("move", _key(src), _key(dest)).values()):
+            raise FileNotFoundError(f"{self._where(_key(src))}: no such file or directory")
+
+    def copy_file(self, src: str, dest: str) -> None:
+        """Placed like any file this process writes (home and peer), wherever `src` is."""
+        with self.open_input_stream(src) as f:
+            data = f.read()
+        self._store(_key(dest), data)
+
+    # ------------------------------------------------------------------ streams
+
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        return self.open_input_file(path)
+
+    def open_input_file(self, path: str) -> pa.NativeFile:
+        key = _key(path)
+        holders, size = self._holders(key)
+        if not holders:
+            raise FileNotFoundError(f"{self._where(key)}: no such file on any live keeper")
+        return pa.PythonFile(_RangeReader(key, size, holders, self._where(key)), mode="r")
+
+    def open_output_stream(self, path: str, metadata=None) -> pa.NativeFile:
+        """Buffered in this process; the whole file goes to its two keepers on close."""
+        return pa.PythonFile(_Upload(self, _key(path)), mode="w")
+
+    def open_append_stream(self, path: str, metadata=None) -> pa.NativeFile:
+        raise OSError(
+            f"{self._where(_key(path))}: keeper files cannot be appended to; they are written "
+            "whole (open_output_stream)"
+        )
+
+
+class _Upload(io.BytesIO):
+    """An output stream: bytes gather here and are shipped to the keepers by close(), so a
+    reader sees either no file or all of it (a put replaces the file at once)."""
+
+    def __init__(self, fs: KeeperFileSystem, key: str):
+        super().__init__()
+        self._fs, self._key = fs, key
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        data = self.getvalue()
+        super().close()
+        self._fs._store(self._key, data)
+
+
+class _RangeReader(io.RawIOBase):
+    """A seekable input file whose reads fetch just the range asked for from a keeper holding
+    it; when that keeper is gone the next one is asked (its node's loss must not fail a read
+    that another copy can serve)."""
+
+    def __init__(self, key: str, size: int, holders: list[tuple[str, ActorHandle]], where: str):
+        super().__init__()
+        self._key, self._size, self._holders, self._where = key, size, list(holders), where
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise OSError(f"{self._where}: seek to {base + offset}; valid: a position >= 0")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        n = self._size - self._pos if size is None or size < 0 else size
+        n = max(0, min(n, self._size - self._pos))
+        data = self._fetch(self._pos, n) if n else b""
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        memoryview(buf).cast("B")[: len(data)] = data
+        return len(data)
+
+    def _fetch(self, offset: int, length: int) -> bytes:
+        while self._holders:
+            _, handle = self._holders[0]
+            try:
+                data = ray.get(handle.read.remote(self._key, offset, length))
+            except RayActorError:
+                data = None
+            if data is not None:
+                return data
+            self._holders.pop(0)  # dead, or the file was deleted there since it was opened
+        raise OSError(f"{self._where}: no live keeper holds it any more (lost with its nodes)")
