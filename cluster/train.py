@@ -50,7 +50,7 @@ from cluster.tracking import (
     ui_command,
     ui_url,
 )
-from cluster.worker import LaunchInfo, fatal_error, worker_config
+from cluster.worker import LaunchInfo, fatal_error, snapshots_on, worker_config
 from trainer.data.preparation import Plan
 
 register_schemas()
@@ -211,7 +211,7 @@ def fit(
 
 def stop_snapshot_keepers(cfg: JobConfig, launch_id: str) -> None:
     """Free the keepers' memory (they are detached actors: they would outlive this driver)."""
-    if cfg.train.snapshot_every == 0:
+    if not snapshots_on(cfg):
         return
     from cluster.elastic import snapshots  # noqa: PLC0415 -- imports ray
 

@@ -191,11 +191,20 @@ def system_metrics(context, cfg, launch: LaunchInfo) -> Optional[NodeMetrics]:
     )
 
 
+def snapshots_on(cfg) -> bool:
+    """train.snapshot_every: N > 0 always; null only on GPU workers. On CPU workers the training
+    itself uses the CPUs the background copy would need (benchmarks.snapshots here: 1.44-1.47x
+    the step time), so null means none there; set N to have them anyway."""
+    every = cfg.train.snapshot_every
+    return every != 0 and (every is not None or cfg.cluster.use_gpu)
+
+
 def snapshot_root(cfg, launch: LaunchInfo) -> Optional[str]:
     """Where this launch's in-memory snapshots go: keeper://, the memory of a keeper actor per
     node, each file on its writer's node and the next (cluster/elastic/snapshots.py); this
-    node's keeper is started here if no worker started it yet. None: train.snapshot_every=0."""
-    if cfg.train.snapshot_every == 0:
+    node's keeper is started here if no worker started it yet. None when snapshots are off
+    (`snapshots_on`)."""
+    if not snapshots_on(cfg):
         return None
     import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
 

@@ -342,7 +342,9 @@ class TrainConfig:
     every this many steps each rank hands a copy of its shard state (checkpoint format) to be
     kept off its node, two generations at most, so a crash loses at most this many steps and a
     restart resumes from memory, at any world size. null: as often as the copy hides behind
-    compute (a snapshot at every step where the previous one has been sent); 0: none."""
+    compute (a snapshot at every step where the previous one has been sent), which under Ray
+    means on GPU workers only (on CPU workers the copy competes with training for the CPUs:
+    cluster/worker.py snapshots_on); 0: none."""
     eval_every: int = 0
     """Evaluate the loss on data.eval_sequences held-out sequences every this many steps and at
     the end (0 = never; needs data.eval_fraction > 0)."""

@@ -425,3 +425,16 @@ def test_the_controller_drains_a_running_group_only_before_growing_it(monkeypatc
     view.after_controller_state_update(state["RunningState"], state["ResizingState"])
     assert decide(2) == 2 and grow.calls == ["Ray is resizing the group to 2 workers"]
     assert decide(2) == 2 and len(grow.calls) == 1  # a restart at that size: not a grow
+
+
+@pytest.mark.parametrize(
+    "every, gpu, on",
+    [(None, True, True), (None, False, False), (3, False, True), (3, True, True), (0, True, False)],
+)
+def test_snapshots_by_default_on_gpu_workers_only_and_always_when_asked(every, gpu, on):
+    from cluster.worker import snapshots_on  # noqa: PLC0415 -- next to its test
+
+    cfg = SimpleNamespace(
+        train=SimpleNamespace(snapshot_every=every), cluster=SimpleNamespace(use_gpu=gpu)
+    )
+    assert snapshots_on(cfg) is on
