@@ -388,3 +388,15 @@ def test_cli_prints_the_plan_and_exits_by_whether_it_fits(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert plan_main(args + ["sharding.strategy=ZERO9"]) == 2
     assert "sharding.strategy" in capsys.readouterr().err
+
+
+def test_snapshots_cost_host_memory_five_shard_states_per_worker_and_the_plan_says_so():
+    """A staging copy in the worker and its share of the keepers' 2 copies x 2 generations."""
+    cfg = dataclasses.replace(EIGHT_B, sharding=ShardingConfig(param_dtype="bfloat16"))
+    on = plan(cfg, 64, 80 * GiB)
+    assert on.snapshot_host == 5 * (on.sharded_params + on.optim_state)  # 12 B/param/N x 5
+    assert on.snapshot_host == pytest.approx(5 * 12 * on.num_params / 64, rel=0.01)
+    assert "host memory for in-memory snapshots" in on.table()
+    off = plan(dataclasses.replace(cfg, train=TrainConfig(snapshot_every=0)), 64, 80 * GiB)
+    assert off.snapshot_host == 0 and "in-memory snapshots" not in off.table()
+    assert off.total == on.total  # on the host, never on the device

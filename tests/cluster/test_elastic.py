@@ -10,7 +10,7 @@ interruption, at the same world sizes (tests/cluster/elastic_reference.py says w
    Ray restarts it from there. A second SIGTERM is the third failure with
    cluster.max_failures=2, so the run stops. Submitted again, it resumes from the last
    checkpoint and finishes.
-2. Elastic, 1..2 workers, a durable checkpoint only every 150 steps but an in-memory snapshot
+2. Elastic, 1..2 workers, a durable checkpoint only every 500 steps but an in-memory snapshot
    every step, kept by a keeper actor on each node (each file on its writer's node and the
    other). The second node is removed mid-run (its worker and keeper die with it): the run goes
    on at world size 1 from the newest snapshot, losing at most the steps since it. A node is
@@ -53,7 +53,7 @@ SMALL = [
     "optim.warmup_steps=2",
 ]
 CRASH_STEPS = 80
-ELASTIC_STEPS = 300
+ELASTIC_STEPS = 1000  # the preemption must reach a group with steps left: they take ~15 ms here
 SNAPSHOT_EVERY = 1
 RUN_TIMEOUT = 420.0
 REL = 1e-5

@@ -60,6 +60,10 @@ class MemoryPlan:
     optim_state: int
     host_state: int
     """Host bytes of the offloaded optimizer (0 without offload)."""
+    snapshot_host: int
+    """Host bytes per worker for in-memory snapshots (train.snapshot_every != 0; 0 without):
+    the worker's staging copy of its shard state plus its share of what the keepers hold, 2
+    copies x 2 generations (trainer/checkpointing.py Snapshots)."""
     timeline: StepTimeline
     activations_without_checkpointing: int
     """Peak of activation memory alone (blocks + root) over the step, without checkpointing."""
@@ -103,6 +107,11 @@ class MemoryPlan:
 
     def table(self) -> str:
         return format_plan(self)
+
+
+SNAPSHOT_COPIES = 1 + 2 * 2
+"""Shard-state copies per worker that snapshots keep in host memory: one staging copy in the
+worker, and 2 copies x 2 generations in the keepers (spread over the nodes, one share each)."""
 
 
 def rows_per_micro_batch(
@@ -155,6 +164,11 @@ def plan(
         sharded_grads=lay.sharded_grads,
         optim_state=lay.optim_state,
         host_state=lay.host_state,
+        snapshot_host=(
+            SNAPSHOT_COPIES * (lay.sharded_params + lay.optim_state)
+            if cfg.train.snapshot_every != 0
+            else 0
+        ),
         timeline=timeline,
         activations_without_checkpointing=_activation_peak(timelines[False]),
         activations_with_checkpointing=_activation_peak(timelines[True]),

@@ -62,6 +62,12 @@ def format_plan(p: "MemoryPlan") -> str:
             f"  host memory (optimizer offloaded: fp32 master, gradients, AdamW state): "
             f"{_mem(p.host_state)}"
         )
+    if p.snapshot_host:
+        lines.append(
+            f"  host memory for in-memory snapshots (train.snapshot_every): "
+            f"{_mem(p.snapshot_host)} per worker (a staging copy of its shard state and its "
+            "share of the keepers' 2 copies x 2 generations)"
+        )
     lines.append(
         f"  activations alone at their peak: {_mem(p.activations_without_checkpointing)} without "
         f"checkpointing, {_mem(p.activations_with_checkpointing)} with"
