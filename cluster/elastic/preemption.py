@@ -61,9 +61,12 @@ if PreemptionCallback is not None:
             )
 
 
-class _Replaced:
-    done = False
-    """This process turned Ray's watcher off itself (a sweep's later jobs still want ours)."""
+REPLACED_ENV = "ELASTIC_FSDP_REPLACED_PREEMPTION_WATCHER"
+"""Set with Ray's switch when we turn Ray's watcher off for ours. Processes started from this one
+inherit both (a test process that built a trainer, then launches the CLI): the marker tells them
+the switch is ours, not the user's, so they start our watcher too. Without it such a child read
+RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 as the user's choice and ran with no watcher at all: its
+workers never heard of a preemption (what failed test_elastic in CI, and only there)."""
 
 
 def replace_rays_watcher() -> Optional[object]:
@@ -72,8 +75,9 @@ def replace_rays_watcher() -> Optional[object]:
     Ray's internals differ)."""
     if PreemptionCallback is None:
         return None
-    if not (_Replaced.done or env_bool(ENABLE_PREEMPTION_WATCHER_ENV_VAR, True)):
+    ours = os.environ.get(REPLACED_ENV) == "1"
+    if not (ours or env_bool(ENABLE_PREEMPTION_WATCHER_ENV_VAR, True)):
         return None
     os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0"  # Ray's: off in its controller
-    _Replaced.done = True
+    os.environ[REPLACED_ENV] = "1"
     return PreemptionNotices()

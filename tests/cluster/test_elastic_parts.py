@@ -438,3 +438,25 @@ def test_snapshots_by_default_on_gpu_workers_only_and_always_when_asked(every, g
         train=SimpleNamespace(snapshot_every=every), cluster=SimpleNamespace(use_gpu=gpu)
     )
     assert snapshots_on(cfg) is on
+
+
+def test_a_process_started_after_a_trainer_was_built_still_starts_our_preemption_watcher(
+    monkeypatch,
+):
+    """Building a trainer turns Ray's watcher off (for ours) in this process's environment; a
+    CLI launched afterwards inherits that. It must still start ours; only a user's own
+    RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 means none (CI ran test_elastic's preemption drill
+    without any watcher after test_config_schema had built a trainer)."""
+    from cluster.elastic import preemption  # noqa: PLC0415 -- next to its test
+
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
+    monkeypatch.delenv(preemption.REPLACED_ENV, raising=False)
+    assert preemption.replace_rays_watcher() is not None
+    child = "from cluster.elastic.preemption import replace_rays_watcher as r; print(r() is None)"
+    run = subprocess.run(
+        [sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert run.stdout.strip() == "False", run.stderr[-2000:]
+    monkeypatch.delenv(preemption.REPLACED_ENV)  # the user's switch alone: no watcher
+    assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert preemption.replace_rays_watcher() is None
