@@ -98,7 +98,6 @@ def rank_main(rank: int, a: Args, queue) -> None:
         total_steps = a.reps * len(MODES) * (a.steps + a.warmup)
         data = batches(run, rank, total_steps)
         times = {m: ([], []) for m in MODES}  # (step s, blocked s)
-        taken = {m: 0 for m in MODES}
         step_no = {m: 0 for m in MODES}
         for rep in range(a.reps):
             order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]
@@ -112,11 +111,8 @@ def rank_main(rank: int, a: Args, queue) -> None:
                     dist.barrier()
                     t1 = time.perf_counter()
                     step_no[mode] += 1
-                    in_flight = ck.snapshots._in_flight if ck.snapshots else None
                     ck.after_step(step_no[mode])
                     t2 = time.perf_counter()
-                    if ck.snapshots is not None and ck.snapshots._in_flight != in_flight:
-                        taken[mode] += 1
                     if i >= a.warmup:
                         times[mode][0].append(t1 - t0)
                         times[mode][1].append(t2 - t1)
@@ -127,8 +123,8 @@ def rank_main(rank: int, a: Args, queue) -> None:
                 snap_bytes[mode] = ck.snapshots.bytes
         dist.barrier()
         out[name] = dict(
-            times={m: times[m] for m in MODES},
-            taken=taken,
+            times=times,
+            taken={m: ckpts[m].snapshots.taken if ckpts[m].snapshots else 0 for m in MODES},
             shard_bytes=max(snap_bytes.values()) if snap_bytes else 0,
         )
     queue.put((rank, out))

@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import shutil
+import time
 
 import pytest
 
@@ -27,11 +28,20 @@ class Crash(RuntimeError):
     pass
 
 
-def _train(rank, world, cfg, root, snapshots, crash_at):
+def _train(rank, world, cfg, root, snapshots, crash_at, settle=False):
+    """`settle`: before crashing, wait (30 s at most) until a snapshot has committed, so a test of
+    the cadence does not depend on how fast this machine sends one."""
     from trainer.loop import WorkerContext, run_training
 
     def fault(step):
         if crash_at is not None and step == crash_at:
+            deadline = time.monotonic() + 30
+            while (
+                settle
+                and time.monotonic() < deadline
+                and not any(not i.problem for i in list_checkpoints(snapshots))
+            ):
+                time.sleep(0.05)  # the writer's thread commits; nothing to wait on from here
             raise Crash(f"crash before step {step + 1}")
 
     out = io.StringIO()
@@ -71,10 +81,10 @@ def uninterrupted(cfg, tmp_path_factory):
     return dict(run_distributed(_train, 2, cfg, str(root / "ckpt"), None, None)[0]["losses"])
 
 
-def crashed_run(cfg, tmp_path, world, crash_at, every):
+def crashed_run(cfg, tmp_path, world, crash_at, every, settle=False):
     cfg.train.snapshot_every = every
     root, snaps = str(tmp_path / "ckpt"), str(tmp_path / "snapshots")
-    first = run_distributed(_train, world, cfg, root, snaps, crash_at)
+    first = run_distributed(_train, world, cfg, root, snaps, crash_at, settle)
     fresh_ranks(world)  # the crashed group's processes die, a snapshot in flight with them
     assert all(r["crashed"] for r in first)
     assert list_checkpoints(root) == [], "no durable checkpoint before step 50"
@@ -99,7 +109,7 @@ def test_a_crash_loses_at_most_snapshot_every_steps_at_any_new_world_size(
 def test_snapshots_as_often_as_they_hide_keep_the_newest_two(cfg, uninterrupted, tmp_path):
     """snapshot_every=null: a snapshot at every step where the previous one has been written
     (here a 20 ms step against a write with fsyncs to this disk: one every few steps)."""
-    root, snaps = crashed_run(cfg, tmp_path, 2, crash_at=9, every=None)
+    root, snaps = crashed_run(cfg, tmp_path, 2, crash_at=9, every=None, settle=True)
     steps = [i.step for i in list_checkpoints(snaps) if not i.problem]
     assert 1 <= len(steps) <= 2 and steps[0] >= 1, steps
     second = run_distributed(_train, 2, cfg, root, snaps, None)[0]

@@ -494,6 +494,7 @@ class Snapshots:
         self.last_step: Optional[int] = None
         self.blocked_ms: Optional[float] = None
         self.bytes: int = 0
+        self.taken = 0  # snapshots started by this rank
 
     def due(self, step: int, busy: bool) -> bool:
         if self.every is None:
@@ -508,6 +509,7 @@ class Snapshots:
         self.writer.save(step, rank, self.world, chunks, state.to_json())
         self.bytes = sum(c.data.numel() * c.data.element_size() for c in chunks)
         self._in_flight = step
+        self.taken += 1
 
     def _collect(self) -> None:
         """The previous snapshot's outcome (it is done or being waited for)."""
