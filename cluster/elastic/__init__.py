@@ -40,7 +40,12 @@ pyarrow filesystem):
 
 from __future__ import annotations
 
-from cluster.elastic.cluster_view import COORDINATOR, ClusterView, workers_that_fit
+from cluster.elastic.cluster_view import (
+    COORDINATOR,
+    ClusterView,
+    count_usable_nodes_only,
+    workers_that_fit,
+)
 from cluster.elastic.drain import (
     WORKER_TIMES,
     DrainedError,
@@ -72,6 +77,7 @@ __all__ = [
     "RunFolder",
     "SigtermCallback",
     "chain",
+    "count_usable_nodes_only",
     "DrainRequests",
     "GrowDrain",
     "install_sigterm_handler",

@@ -9,6 +9,7 @@ nodes out of the decision.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional
 
@@ -42,9 +43,14 @@ class ClusterView(ControllerCallback):
       and its last read may be the running group's resize check just before the failure: so a
       restart first waits that second out.
     - The coordinator counts a node being drained (a preemption) as available until its raylet
-      exits, so the restart after a preemption asks for the leaving node's workers too.
-      `before_controller_execute_resize_decision` lowers the decision to what the alive,
-      non-draining nodes hold (never below min_workers, never higher than Ray decided).
+      exits (on a cloud, at the preemption deadline; here, once nothing runs on it): the restart
+      after a preemption would ask for the leaving node's workers too, and while the node
+      lingers, every resize check of the running group would decide to grow onto it, each time
+      a restart of the group. `count_usable_nodes_only` (installed in the controller when it
+      starts) makes the policy count only alive, non-draining nodes, so it decides nothing
+      while the node lingers; `before_controller_execute_resize_decision` lowers a decision to
+      what those nodes hold (never below min_workers, never higher than Ray decided), the
+      fallback where Ray's policy moved.
 
     Its hooks never raise (Ray would count a callback error as a failure of the run): an error in
     the renewal switches it off, Ray's own tick still works; the clipping falls back to Ray's
@@ -61,6 +67,12 @@ class ClusterView(ControllerCallback):
         self._size: Optional[int] = None  # the size of the group running (the last decision's)
 
     def after_controller_start(self, train_run_context) -> None:
+        if not count_usable_nodes_only():
+            print(
+                "elastic: Ray's elastic policy has no _count_possible_workers to wrap (Ray "
+                "moved it): a draining node may cost a restart of the group at its own size",
+                flush=True,
+            )
         self._refresh()
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
@@ -141,6 +153,36 @@ class ClusterView(ControllerCallback):
             )
 
 
+def usable_nodes() -> list[dict]:
+    """ray.nodes() entries of the alive nodes not being drained."""
+    draining = set(ray._private.state.state.get_draining_nodes())
+    return [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in draining]
+
+
+def count_usable_nodes_only(policy_cls=ElasticScalingPolicy) -> bool:
+    """Wrap `policy_cls._count_possible_workers` (in this process: the controller's) so that it
+    counts only the reserved resources of alive, non-draining nodes. False where the policy has
+    no such method; calling it again is harmless."""
+    original = getattr(policy_cls, "_count_possible_workers", None) if policy_cls else None
+    if original is None:
+        return False
+    if getattr(original, "_usable_nodes_only", False):
+        return True
+
+    @functools.wraps(original)
+    def _count_possible_workers(self, reserved_resources):
+        try:
+            usable = {n["NodeID"] for n in usable_nodes()}
+            reserved_resources = {n: r for n, r in reserved_resources.items() if n in usable}
+        except Exception:  # Ray's own count stands
+            pass
+        return original(self, reserved_resources)
+
+    _count_possible_workers._usable_nodes_only = True
+    policy_cls._count_possible_workers = _count_possible_workers
+    return True
+
+
 def workers_that_fit(
     per_worker: dict[str, float],
     nodes: Optional[list[dict]] = None,
@@ -148,8 +190,7 @@ def workers_that_fit(
 ) -> int:
     """Workers of `per_worker` resources that the alive nodes not being drained hold in total."""
     if nodes is None or draining is None:
-        nodes = ray.nodes()
-        draining = set(ray._private.state.state.get_draining_nodes())
+        nodes, draining = usable_nodes(), set()
     needs = {k: v for k, v in per_worker.items() if v > 0}
     total = 0
     for node in nodes:

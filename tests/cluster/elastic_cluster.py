@@ -88,6 +88,27 @@ class LocalCluster:
         )
         assert accepted, f"Ray refused to drain node {node.node_id}: {why}"
 
+    def occupy(self, node) -> None:
+        """Keep something running on `node` (a detached actor using no CPU). Ray lets a drained
+        node's raylet exit once nothing runs on it; on a cloud, a preempted machine lives on
+        until its deadline. Occupied, the node plays the cloud's: drained yet still there."""
+        code = (
+            "import sys, ray\n"
+            "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy\n"
+            "ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+            "@ray.remote(num_cpus=0)\n"
+            "class Occupant:\n"
+            "    def ready(self): return True\n"
+            "a = Occupant.options(name='occupant-' + sys.argv[2], namespace='elastic-test',\n"
+            "    lifetime='detached',\n"
+            "    scheduling_strategy=NodeAffinitySchedulingStrategy(sys.argv[2], soft=False),\n"
+            ").remote()\n"
+            "ray.get(a.ready.remote())\n"
+        )
+        subprocess.run(
+            [sys.executable, "-c", code, self.address, node.node_id], check=True, timeout=120
+        )
+
     def close(self) -> None:
         try:
             self.cluster.shutdown()

@@ -318,6 +318,44 @@ def test_workers_that_fit_count_only_alive_nodes_not_being_drained():
     assert elastic.workers_that_fit({"CPU": 2.0, "GPU": 0.0}, nodes, draining=set()) == 1 + 4 + 2
 
 
+def test_rays_policy_decides_nothing_while_a_draining_node_lingers(monkeypatch):
+    """A preempted node's raylet lives on until its deadline, and Ray's coordinator counts it:
+    unwrapped, each resize check of the group running without it "grows" onto it, a restart of
+    the group at its own size every check."""
+    from ray.train import ScalingConfig  # noqa: PLC0415 -- ray: seconds, only where needed
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
+    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+
+    monkeypatch.setattr(
+        ElasticScalingPolicy,
+        "_count_possible_workers",
+        ElasticScalingPolicy._count_possible_workers,  # restored after the test
+    )
+    reserved = {"head": {"CPU": 1.0}, "leaving": {"CPU": 1.0}, "gone": {"CPU": 1.0}}
+    alive = [{"NodeID": "head", "Alive": True}, {"NodeID": "leaving", "Alive": True}]
+    monkeypatch.setattr(elastic.cluster_view.ray, "nodes", lambda: alive)
+    draining = {"ids": ["leaving"]}
+    monkeypatch.setattr(
+        elastic.cluster_view.ray._private.state.state,
+        "get_draining_nodes",
+        lambda: {n: 0 for n in draining["ids"]},
+    )
+
+    def decide(policy):
+        monkeypatch.setattr(policy, "_maybe_send_resource_request", lambda: None)
+        monkeypatch.setattr(policy, "_get_reserved_resources", lambda: reserved)
+        running = SimpleNamespace(num_workers=1, start_time=float("-inf"))
+        return policy.make_decision_for_running_worker_group(running, None)
+
+    config = ScalingConfig(num_workers=(1, 3), elastic_resize_monitor_interval_s=0.0)
+    assert isinstance(decide(ElasticScalingPolicy(config)), ResizeDecision)  # Ray alone: 3
+    assert elastic.count_usable_nodes_only() and elastic.count_usable_nodes_only()  # idempotent
+    assert isinstance(decide(ElasticScalingPolicy(config)), NoopDecision)
+    draining["ids"] = []  # the node is back in service: the group grows onto it
+    assert decide(ElasticScalingPolicy(config)).num_workers == 2
+    assert not elastic.count_usable_nodes_only(None)
+
+
 def test_cluster_view_lowers_a_decision_to_the_staying_nodes_but_never_below_min_or_above_ray(
     monkeypatch,
 ):

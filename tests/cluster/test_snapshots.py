@@ -9,6 +9,7 @@ killing its keeper, which is what Ray does to a detached actor whose node is gon
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -224,6 +225,26 @@ def bytes_held(key: str) -> dict[str, int]:
     return dict(zip(found, ray.get([h.bytes_held.remote() for h in found.values()])))
 
 
+def kill_keeper(key: str, node: str) -> None:
+    """Kill `key`'s keeper on `node` as a node loss would, and return once Ray has it dead and
+    its name free. ray.kill only asks (Ray has no call that waits for the death): until the kill
+    has gone through, calls still reach the keeper, it stays listed, and a start under its name
+    gets it back."""
+    handle = snapshots.keepers(key)[node]
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + HANG_S
+    while True:
+        try:
+            ray.get(handle.node_id.remote(), timeout=HANG_S)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, f"keeper on {node} still answers after {HANG_S} s"
+        time.sleep(0.01)
+    while node in snapshots.keepers(key):  # the name is freed with the death, in Ray's time
+        assert time.monotonic() < deadline, f"keeper on {node} still listed after {HANG_S} s"
+        time.sleep(0.01)
+
+
 def within(seconds: float, fn):
     """fn() run in a thread; fail (instead of hanging the suite) if it takes longer."""
     box = {}
@@ -277,7 +298,7 @@ def test_a_snapshot_still_reads_back_whole_after_the_loss_of_any_one_keeper(run)
         path = save(run, step, keep=1)
         with CheckpointReader(path) as opened:
             open_shards(opened)  # each file open on one keeper holding it, this node's first
-            ray.kill(snapshots.keepers(run.key)[victim], no_restart=True)
+            kill_keeper(run.key, victim)
             assert sorted(snapshots.keepers(run.key)) == sorted(set(run.cluster.ring) - {victim})
             assert_reads_back_whole(opened)  # a file open on the lost keeper reads the other copy
         assert [(i.step, i.problem) for i in list_checkpoints(run.root)] == [(step, None)]
@@ -295,7 +316,7 @@ def test_losing_both_copies_of_a_shard_makes_the_snapshot_incomplete_not_wrong(r
     open_shards(opened)
     lost_file = f"snapshots/step_000000001/{data_file_name(1, WORLD)}"
     for node in holders(run.key)[lost_file]:
-        ray.kill(snapshots.keepers(run.key)[node], no_restart=True)
+        kill_keeper(run.key, node)
 
     infos = within(HANG_S, lambda: list_checkpoints(run.root))
     assert len(infos) == 1 and infos[0].problem is not None
@@ -355,7 +376,7 @@ def test_a_write_gets_over_a_keeper_replaced_under_the_same_name(cluster):
     try:
         loc = storage.resolve(f"keeper://{key}/x.bin")
         storage.write_bytes(loc, b"old")  # starts this node's keeper; this process keeps its handle
-        ray.kill(snapshots.keepers(key)[cluster.head], no_restart=True)
+        kill_keeper(key, cluster.head)
         # Another process (a worker of the node) starts a new one under the same name.
         assert ray.get(start_keeper.remote(key, cluster.head)) == cluster.head
         storage.write_bytes(loc, b"new")
