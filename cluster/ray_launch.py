@@ -76,6 +76,7 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
         ELASTIC_DIR,
         ClusterView,
         GrowDrain,
+        RestartClock,
         RunFolder,
         SigtermCallback,
         replace_rays_watcher,
@@ -88,11 +89,9 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     elastic = c.min_workers is not None
     resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
     # the running group checkpoints before Ray grows it (the controller reaches the run folder)
-    grow = GrowDrain(
-        RunFolder.at(run_folder(c.storage_path, c.run_name, ELASTIC_DIR)),
-        c.drain_on_grow_timeout_s,
-        launch_id=train_loop_config.get("launch", {}).get("launch_id", ""),
-    )
+    folder = RunFolder.at(run_folder(c.storage_path, c.run_name, ELASTIC_DIR))
+    launch_id = train_loop_config.get("launch", {}).get("launch_id", "")
+    grow = GrowDrain(folder, c.drain_on_grow_timeout_s, launch_id=launch_id)
     scaling = ray.train.ScalingConfig(
         num_workers=(lo, hi) if elastic else hi,
         use_gpu=c.use_gpu,
@@ -112,7 +111,7 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             # Applies to Ray's pointer folders only (cluster/ray_checkpoint.py); the loop prunes
             # the real checkpoints with the same count.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            callbacks=[SigtermCallback()]
+            callbacks=[SigtermCallback(), RestartClock(folder, launch_id)]
             + ([preemption] if preemption else [])
             + ([ClusterView(c.elastic_resize_monitor_interval_s, lo, grow)] if elastic else []),
             # Ray Train's INFO lines (one per report per rank among them) only when verbose

@@ -127,8 +127,10 @@ def train_loop_per_worker(config: dict) -> None:
         tracker.left(result.steps_done)
         if drain.requests is not None:  # its checkpoint is committed: the controller may go on
             drain.requests.acknowledge(result.steps_done)
+        agree_who_leaves(drain, rank, world_size)
         if drain.leaving and ctx.snapshot_root:  # this node goes: so does its keeper
             stop_node_keeper(cfg, launch)
+        leave_together(rank, world_size)
         elastic.leave(
             drain,
             f"rank {rank} left at step {result.steps_done} of {cfg.train.steps} "
@@ -136,6 +138,52 @@ def train_loop_per_worker(config: dict) -> None:
             f"committing {result.last_checkpoint}; Ray Train restarts the worker "
             "group from it",
         )
+
+
+def agree_who_leaves(drain, rank: int, world_size: int) -> None:
+    """Every rank learns whether its own process must go. The group stopped on one rank's word
+    (the loop agrees with a MAX all-reduce), but Ray hands its preemption notice to each worker
+    in turn: a preempted rank can stop on another's notice before its own arrived, and would
+    then neither stop its node's keeper (the node lingers, and keeps copies of snapshots
+    meant to be elsewhere) nor end its process. Each rank contributes the ranks it knows must
+    go (the notice's, or itself after a SIGTERM); a MAX all-reduce unites them."""
+    if world_size <= 1:
+        return
+    import torch  # noqa: PLC0415 -- torch: loaded in a worker already
+    import torch.distributed as dist  # noqa: PLC0415 -- the same
+
+    if not dist.is_initialized():
+        return
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    going = torch.zeros(world_size, device=device)
+    for r in drain.leaving_ranks():
+        going[r] = 1.0
+    try:
+        dist.all_reduce(going, op=dist.ReduceOp.MAX)
+    except Exception as e:  # another rank is gone already: keep what this one knows
+        print(f"rank {rank}: cannot learn who leaves ({type(e).__name__}: {e})", flush=True)
+        return
+    if going[rank].item() > 0 and not drain.leaving:
+        drain.leaving = True
+        print(f"rank {rank}: another rank saw this one's preemption notice: leaving", flush=True)
+
+
+def leave_together(rank: int, world_size: int) -> None:
+    """Wait until every rank has done its bookkeeping (rank 0's record of where the group left
+    and its answer to the controller's drain request, a leaving node's keeper stopped) before
+    any rank ends: the first DrainedError Ray sees may be the run's last allowed failure, and
+    Ray then kills the whole group at once."""
+    if world_size <= 1:
+        return
+    import torch.distributed as dist  # noqa: PLC0415 -- torch: loaded in a worker already
+
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+    except Exception as e:  # another rank is gone already: nothing to wait for
+        print(f"rank {rank}: leaving without the others ({type(e).__name__}: {e})", flush=True)
 
 
 FATAL = "fatal.json"

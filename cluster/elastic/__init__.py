@@ -25,6 +25,8 @@ WorkerContext hooks that cluster/worker.py wires up:
   record per worker-group start, from which come elastic/restarts, elastic/recovery_s (the
   failure to the first step after the resume) and elastic/steps_lost, and a line saying where the
   recovery time went. `chain` makes one before_step hook of the tracker's and the drill's.
+- `RestartClock` (clock.py, a controller callback, every run): when Ray decided to end a group,
+  tore it down and began the next, so the tracker can split the "ray restart" phase.
 - `replace_rays_watcher` (preemption.py, the driver): Ray Train's preemption watcher, started
   without the ERROR line Ray's own start logs at every worker-group start.
 
@@ -34,18 +36,16 @@ pyarrow filesystem):
     elastic/fault.json                the fired fault: kind, rank, step, time
     elastic/drain_request.json        the controller's drain request before a grow (grow.py)
     elastic/drain_ack.json            rank 0's answer once the drain's checkpoint committed
+    elastic/controller_clock.json     the controller's times of the last group start (clock.py)
     elastic/attempts/<start ns>.json  one worker-group start: launch, world size, start step,
                                       progress (last step trained and when), recovery figures
 """
 
 from __future__ import annotations
 
-from cluster.elastic.cluster_view import (
-    COORDINATOR,
-    ClusterView,
-    count_usable_nodes_only,
-    workers_that_fit,
-)
+import importlib
+
+from cluster.elastic.clock import RestartClock
 from cluster.elastic.drain import (
     WORKER_TIMES,
     DrainedError,
@@ -62,6 +62,24 @@ from cluster.elastic.preemption import replace_rays_watcher
 from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder
 from cluster.elastic.tracker import ATTEMPTS_DIR, ElasticTracker, chain
 
+# The controller's callbacks load Ray Train's scaling policy, and with it Ray Data (a quarter of a
+# second, more on a busy node): imported when first used, so a worker restart does not pay it.
+_CONTROLLER_SIDE = {
+    "COORDINATOR": "cluster.elastic.cluster_view",
+    "ClusterView": "cluster.elastic.cluster_view",
+    "count_usable_nodes_only": "cluster.elastic.cluster_view",
+    "workers_that_fit": "cluster.elastic.cluster_view",
+    "cluster_view": "cluster.elastic.cluster_view",
+}
+
+
+def __getattr__(name: str):
+    if name in _CONTROLLER_SIDE:
+        module = importlib.import_module(_CONTROLLER_SIDE[name])
+        return module if name == "cluster_view" else getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ATTEMPTS_DIR",
     "COORDINATOR",
@@ -70,6 +88,7 @@ __all__ = [
     "FAULT_MARKER",
     "WORKER_TIMES",
     "ClusterView",
+    "RestartClock",
     "DrainWatcher",
     "DrainedError",
     "ElasticTracker",

@@ -39,18 +39,20 @@ class ClusterView(ControllerCallback):
       a node that joined is seen up to 20 s late. `get_reserved_resources(recompute=True)` renews
       the view at once (one ray.nodes() call): done when the controller starts, when it restarts
       or reschedules the group, and, while running, once per elastic_resize_monitor_interval_s.
-      The policy also caches the coordinator's answer for 1 s (GET_RESERVED_RESOURCES_INTERVAL_S),
-      and its last read may be the running group's resize check just before the failure: so a
-      restart first waits that second out.
+      The policy also caches the coordinator's answer for 1 s (GET_RESERVED_RESOURCES_INTERVAL_S):
+      a restart within that second of the running group's last resize check sizes itself from
+      the view before the failure, where a lost node is left out by the count below (a restart
+      used to wait that second out: 1 s of every recovery).
     - The coordinator counts a node being drained (a preemption) as available until its raylet
       exits (on a cloud, at the preemption deadline; here, once nothing runs on it): the restart
       after a preemption would ask for the leaving node's workers too, and while the node
       lingers, every resize check of the running group would decide to grow onto it, each time
       a restart of the group. `count_usable_nodes_only` (installed in the controller when it
-      starts) makes the policy count only alive, non-draining nodes, so it decides nothing
-      while the node lingers; `before_controller_execute_resize_decision` lowers a decision to
-      what those nodes hold (never below min_workers, never higher than Ray decided), the
-      fallback where Ray's policy moved.
+      starts) caps the policy's count at what the alive, non-draining nodes hold (never below
+      the running group's size: its preempted workers drain first), so it decides nothing
+      while the node lingers; `before_controller_execute_resize_decision` lowers a
+      decision to what those nodes hold (never below min_workers, never higher than Ray
+      decided), the fallback where Ray's policy moved.
 
     Its hooks never raise (Ray would count a callback error as a failure of the run): an error in
     the renewal switches it off, Ray's own tick still works; the clipping falls back to Ray's
@@ -81,10 +83,7 @@ class ClusterView(ControllerCallback):
             self._resizing_running = True  # Running -> Resizing -> Scheduling -> the decision
         elif kind not in ("ResizingState", "SchedulingState"):
             self._resizing_running = False
-        if kind == "RestartingState":
-            time.sleep(self._policy_cache_s())
-            self._refresh()
-        elif kind == "ReschedulingState":
+        if kind in ("RestartingState", "ReschedulingState"):
             self._refresh()
         elif kind == "RunningState" and time.monotonic() - self._last >= self.interval_s:
             self._refresh()
@@ -129,12 +128,6 @@ class ClusterView(ControllerCallback):
                 flush=True,
             )
 
-    @staticmethod
-    def _policy_cache_s() -> float:
-        if ElasticScalingPolicy is None:
-            return 1.0
-        return float(getattr(ElasticScalingPolicy, "GET_RESERVED_RESOURCES_INTERVAL_S", 1.0))
-
     def _refresh(self) -> None:
         if self._off:
             return
@@ -160,26 +153,49 @@ def usable_nodes() -> list[dict]:
 
 
 def count_usable_nodes_only(policy_cls=ElasticScalingPolicy) -> bool:
-    """Wrap `policy_cls._count_possible_workers` (in this process: the controller's) so that it
-    counts only the reserved resources of alive, non-draining nodes. False where the policy has
-    no such method; calling it again is harmless."""
-    original = getattr(policy_cls, "_count_possible_workers", None) if policy_cls else None
-    if original is None:
+    """Wrap `policy_cls._count_possible_workers` (in this process: the controller's) so that its
+    count never exceeds what the alive, non-draining nodes hold, and never drops below the size
+    of the group running. False where the policy lacks the methods; calling it again is
+    harmless.
+
+    A cap, not a filter of the coordinator's reservation: the coordinator reserves the group's
+    bundles (up to max_workers) on nodes of its own view, a draining node among them; leaving
+    those out would also leave out a node it did not reserve because that one was reserved
+    instead (two nodes joined while a preempted one lingered: the group grew onto one). And
+    never below the running group's size: a node just told it will be preempted still runs its
+    workers, which drain (checkpoint the step they are at) once Ray's preemption watcher tells
+    them; a "resize" down to the other nodes would tear the group down first and lose the
+    steps since the last snapshot."""
+    count = getattr(policy_cls, "_count_possible_workers", None) if policy_cls else None
+    running = getattr(policy_cls, "make_decision_for_running_worker_group", None)
+    if count is None or running is None:
         return False
-    if getattr(original, "_usable_nodes_only", False):
+    if getattr(count, "_usable_nodes_only", False):
         return True
 
-    @functools.wraps(original)
+    @functools.wraps(count)
     def _count_possible_workers(self, reserved_resources):
+        counted = count(self, reserved_resources)
+        per_worker = self.scaling_config._resources_per_worker_not_none
+        if not any(v > 0 for v in per_worker.values()):
+            return counted  # workers that need nothing fit anywhere
         try:
-            usable = {n["NodeID"] for n in usable_nodes()}
-            reserved_resources = {n: r for n, r in reserved_resources.items() if n in usable}
+            fits = workers_that_fit(per_worker)
         except Exception:  # Ray's own count stands
-            pass
-        return original(self, reserved_resources)
+            return counted
+        return min(counted, max(fits, getattr(self, "_running_size", 0)))
+
+    @functools.wraps(running)
+    def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+        self._running_size = worker_group_state.num_workers
+        try:
+            return running(self, worker_group_state, worker_group_status)
+        finally:
+            self._running_size = 0
 
     _count_possible_workers._usable_nodes_only = True
     policy_cls._count_possible_workers = _count_possible_workers
+    policy_cls.make_decision_for_running_worker_group = make_decision_for_running_worker_group
     return True
 
 

@@ -121,6 +121,8 @@ class DrainWatcher:
         self.leaving = False
         """This process itself must go (it got the SIGTERM, or its node is being preempted);
         the other ranks only stop because it does."""
+        self.preempted: list[int] = []
+        """The ranks Ray's preemption notice named, once this rank saw it."""
 
     def __call__(self) -> bool:
         info = self.preemption_info() if self.preemption_info is not None else None
@@ -140,7 +142,17 @@ class DrainWatcher:
                     f"rank {self.rank}: {self.reason}: leaving after a checkpoint of this step",
                     flush=True,
                 )
+        if info is not None and not self.preempted:  # (also after another reason to stop)
+            self.preempted = [int(r) for r in info.preempted_ranks]
+            self.leaving = self.leaving or self.rank in self.preempted
         return self.reason is not None
+
+    def leaving_ranks(self) -> list[int]:
+        """The ranks this one knows must go: those a preemption notice it saw named, and
+        itself when it must go (a SIGTERM). Polled once more first, on every rank alike (the
+        public notice call is a barrier): the notice may have come since the last step."""
+        self()
+        return sorted(set(self.preempted) | ({self.rank} if self.leaving else set()))
 
     @staticmethod
     def wait_for_sigterm(timeout: float) -> bool:

@@ -11,6 +11,7 @@ import os
 import time
 from typing import Callable, Optional
 
+from cluster.elastic.clock import CLOCK, ray_phases
 from cluster.elastic.faults import FAULT_MARKER
 from cluster.elastic.run_folder import RunFolder
 
@@ -196,14 +197,20 @@ class ElasticTracker:
             "build_and_load_s": r["ready"] - r["imported"],  # model, data, checkpoint load
             "first_step_s": pending["first_step"] - r["ready"],
         }
-        parts = ", ".join(
-            f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in pending["breakdown"].items()
-        )
+        ray = ray_phases(self.folder.read(CLOCK), r["launch"], failure, r["context"])
+        if ray is not None:
+            pending["ray_phases"] = ray
         print(
             f"elastic: restart {self.restarts} at world size {r['world_size']}, resumed at step "
-            f"{pending['resumed_at']}; {lost}; recovery {pending['recovery_s']:.1f} s ({parts})",
+            f"{pending['resumed_at']}; {lost}; recovery {pending['recovery_s']:.1f} s "
+            f"({_phases(pending['breakdown'])})"
+            + (f"; ray restart: {_phases(ray)}" if ray else ""),
             flush=True,
         )
+
+
+def _phases(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f} s" for k, v in seconds.items())
 
 
 def startup_line(driver: dict, record: dict, first_step_done: float) -> str:

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +71,36 @@ class LocalCluster:
     def add_node(self, cpus: int = 1):
         return self.cluster.add_node(num_cpus=cpus, temp_dir=self.ray_tmp)
 
+    def add_nodes(self, count: int, cpus: int = 1) -> list:
+        """`count` nodes started together (add_node waits for each in turn)."""
+        added = [
+            self.cluster.add_node(wait=False, num_cpus=cpus, temp_dir=self.ray_tmp)
+            for _ in range(count)
+        ]
+        self.cluster.wait_for_nodes()
+        return added
+
     def remove_node(self, node) -> None:
         self.cluster.remove_node(node)
+
+    def remove_nodes(self, nodes: list) -> None:
+        """Remove `nodes` at once, as machines lost together (a rack, a zone): one thread each,
+        since removing one waits for its processes to end."""
+        errors = []
+
+        def remove(node):
+            try:
+                self.cluster.remove_node(node)
+            except BaseException as e:  # handed to the caller below
+                errors.append(e)
+
+        threads = [threading.Thread(target=remove, args=(n,)) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
     def preempt_node(self, node, deadline_s: float = 60.0) -> None:
         """Tell Ray the node will be preempted in deadline_s, as a cloud's spot reclaim does.
@@ -112,6 +141,7 @@ class LocalCluster:
     def close(self) -> None:
         try:
             self.cluster.shutdown()
+            keep_ray_logs(self.ray_tmp)
         finally:
             for k, v in self._saved_env.items():
                 if v is None:
@@ -119,6 +149,34 @@ class LocalCluster:
                 else:
                     os.environ[k] = v
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+RAY_LOGS_KEPT = Path(os.environ.get("ELASTIC_RAY_LOGS", "/tmp/elastic-ray-logs"))
+"""Where the Ray logs of the last clusters these tests ran are kept (the cluster's own folder is
+removed): what the workers, raylets and controller wrote, for a drill that failed in CI."""
+
+
+def keep_ray_logs(ray_tmp: str, keep: int = 2, max_file_bytes: int = 32 * 2**20) -> None:
+    logs = Path(ray_tmp) / "session_latest" / "logs"
+    if not logs.is_dir():
+        return
+    dest = RAY_LOGS_KEPT / time.strftime("%Y%m%d-%H%M%S")
+    shutil.copytree(
+        logs,
+        dest,
+        symlinks=False,
+        ignore=lambda d, names: [n for n in names if _too_big(Path(d) / n, max_file_bytes)],
+        dirs_exist_ok=True,
+    )
+    for old in sorted(RAY_LOGS_KEPT.iterdir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _too_big(path: Path, limit: int) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size > limit
+    except OSError:
+        return True
 
 
 @dataclass

@@ -1,22 +1,24 @@
 """Elastic training end to end: the real CLI on a multi-node Ray cluster on this machine.
 
-A head node and a second node of one logical CPU each (ray.cluster_utils.Cluster), one CPU per
-worker. Two runs, each compared step by step with the same config trained without Ray and without
-interruption, at the same world sizes (tests/cluster/elastic_reference.py says why):
+A head node and worker nodes of one logical CPU each (ray.cluster_utils.Cluster), one CPU per
+worker; durable checkpoints every CHECKPOINT_EVERY steps (rarely) and an in-memory snapshot every
+SNAPSHOT_EVERY, kept by a keeper actor on each node (each file on its writer's node and the
+next). Every event falls at a random step (DRILL_SEED, printed, replays them). Two runs, each
+compared step by step with the same config trained without Ray and without interruption, at the
+same world sizes (tests/cluster/elastic_reference.py says why):
 
-1. Fixed at 2 workers, durable checkpoints only (every 3 steps, no snapshots). Rank 1 crashes
-   before step 5 (fault config); Ray restarts the group, which resumes from the checkpoint of
-   step 3. Then rank 0 gets a SIGTERM: the group checkpoints the step it is at and leaves, and
-   Ray restarts it from there. A second SIGTERM is the third failure with
-   cluster.max_failures=2, so the run stops. Submitted again, it resumes from the last
-   checkpoint and finishes.
-2. Elastic, 1..2 workers, a durable checkpoint only every 500 steps but an in-memory snapshot
-   every step, kept by a keeper actor on each node (each file on its writer's node and the
-   other). The second node is removed mid-run (its worker and keeper die with it): the run goes
-   on at world size 1 from the newest snapshot, losing at most the steps since it. A node is
-   added: the group checkpoints the step it is at (drain on grow) and Ray grows it back to 2,
-   having lost no step. Ray is then told that node will be preempted: the group checkpoints
-   the step it is at, the node leaves, and the run goes on at world size 1 having lost no step.
+1. Fixed at 2 workers. Rank 1 crashes (fault config): Ray restarts the group, which resumes
+   from the newest complete snapshot, losing at most the steps since it. Then rank 0 gets a
+   SIGTERM: the group checkpoints the step it is at (durably) and leaves, and Ray restarts it
+   from there. A second SIGTERM is the third failure with cluster.max_failures=2, so the run
+   stops. Submitted again, it resumes from its last checkpoint and finishes.
+2. Elastic, 1..3 workers on head, second and third. third is removed (its worker and keeper
+   die with it): the run goes on at world size 2 from the newest snapshot. Ray is told second
+   will be preempted: the group checkpoints the step it is at, and goes on at world size 1
+   having lost no step; second lingers, drained, as a cloud's node does until its deadline.
+   Two nodes are added: the group checkpoints the step it is at (drain on grow) and Ray grows
+   it to 3, having lost no step. Both are removed at once: a snapshot shard loses both its
+   copies, and the run falls back to the durable checkpoint at world size 1, and says so.
 
 Every step's loss (MLflow keeps each step's first training; the retrained ones are in the run's
 elastic records) equals the uninterrupted run's within 1e-5 relative; no step is missing.
@@ -27,6 +29,8 @@ are generous because this 2-core machine is shared. The recovery times measured 
 from __future__ import annotations
 
 import os
+import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -54,7 +58,12 @@ SMALL = [
 ]
 CRASH_STEPS = 80
 ELASTIC_STEPS = 1000  # the preemption must reach a group with steps left: they take ~15 ms here
+CHECKPOINT_EVERY = 50  # durable checkpoints: rarely (the drains' own are durable too)
 SNAPSHOT_EVERY = 1
+DRILL_SEED = int(os.environ.get("ELASTIC_DRILL_SEED") or random.SystemRandom().randrange(2**31))
+"""The drills' events fall at random steps; ELASTIC_DRILL_SEED=<the seed printed> replays them."""
+EVENTS = [("lose", 5, 40), ("preempt", 2, 10), ("add", 2, 10), ("lose_two", 4, 20)]
+"""The node drill's events, each after a random number of steps (in [lo, hi]) of its group."""
 RUN_TIMEOUT = 420.0
 REL = 1e-5
 
@@ -78,6 +87,11 @@ def cluster():
     c.close()
 
 
+def drill_rng(drill: str) -> random.Random:
+    print(f"{drill} drill: ELASTIC_DRILL_SEED={DRILL_SEED}")
+    return random.Random(f"{drill}-{DRILL_SEED}")
+
+
 def job_config(overrides, prepared: str):
     """The JobConfig the CLI composes from the same overrides (Hydra, conf/)."""
     register_schemas()
@@ -95,6 +109,39 @@ def reference_for(steps: int, prepared: str, schedule, tmp: Path) -> dict[int, f
     return reference_losses(
         job_config([f"train.steps={steps}"], prepared), schedule, str(tmp / "ckpt")
     )
+
+
+def reference_with_lost_branches(trained: list[dict], prepared: str, tmp_path_factory):
+    """{step: loss} as MLflow holds them: each step's first training. The run's path trains each
+    group up to where the next resumed (one whose steps were all lost left nothing); a group
+    whose last steps were lost trained those first, on its own path: a branch, trained
+    separately, gives them."""
+    pairs = list(zip(trained, trained[1:]))
+
+    def path(upto: int) -> list[tuple[int, int]]:
+        return [
+            (a["world_size"], b["start_step"])
+            for a, b in pairs[:upto]
+            if b["start_step"] > a["start_step"]
+        ]
+
+    cfg = job_config([f"train.steps={ELASTIC_STEPS}"], prepared)
+    reference = reference_losses(
+        cfg,
+        path(len(pairs)) + [(trained[-1]["world_size"], None)],
+        str(tmp_path_factory.mktemp("ref-elastic") / "ckpt"),
+    )
+    first = dict(reference)
+    for i, (a, b) in reversed(list(enumerate(pairs))):  # an earlier group trained a step first
+        if b["start_step"] <= a["last_step"]:
+            branch = reference_losses(
+                cfg,
+                path(i) + [(a["world_size"], a["last_step"] + 1)],
+                str(tmp_path_factory.mktemp("ref-branch") / "ckpt"),
+                complete=False,
+            )
+            first.update((s, branch[s]) for s in range(b["start_step"], a["last_step"] + 1))
+    return dict(path=reference, first=first)
 
 
 def mlflow_runs(launch_dir: Path, experiment: str) -> list:
@@ -121,9 +168,11 @@ def recovery_summary(records: list[dict]) -> list[str]:
         rec = r.get("recovery")
         if rec and rec.get("recovery_s") is not None:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in rec["breakdown"].items())
+            ray = ", ".join(f"{k} {v:.1f}" for k, v in (rec.get("ray_phases") or {}).items())
             out.append(
                 f"world {r['world_size']} from step {r['start_step']}: "
                 f"{rec['recovery_s']:.1f} s ({parts}), {rec['steps_lost']} steps lost"
+                + (f"; ray restart: {ray}" if ray else "")
             )
     return out
 
@@ -133,6 +182,9 @@ def recovery_summary(records: list[dict]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def crash_then_drain(cluster, prepared, tmp_path_factory):
+    rng = drill_rng("crash")
+    crash_at = rng.randint(5, 30)
+    drain_after = [rng.randint(2, 6) for _ in range(2)]
     launch = tmp_path_factory.mktemp("crash")
     run_dir = launch / "runs" / "crash"
     args = cli_overrides(
@@ -143,23 +195,23 @@ def crash_then_drain(cluster, prepared, tmp_path_factory):
         "tracking.experiment=crash",
         "cluster.max_failures=2",
         "fault.kill_rank=1",
-        "fault.at_step=5",
+        f"fault.at_step={crash_at}",
         "fault.kind=crash",
-        "train.checkpoint_every=3",
-        "train.snapshot_every=0",  # this drill: durable checkpoints only
+        f"train.checkpoint_every={CHECKPOINT_EVERY}",  # durable: rarely
+        f"train.snapshot_every={SNAPSHOT_EVERY}",  # in the keepers' memory, on both nodes
     )
     first = start_cli(launch, cluster.address, *args)
-    for group in (2, 3):  # drain the group restarted after the crash, then the one after that
+    for group, after in zip((2, 3), drain_after):  # drain the group after the crash, then the next
         running = wait_until(
             lambda: (
                 (a := attempts(run_dir))
                 and len(a) >= group
                 and a[-1]["start_step"] is not None
-                and a[-1]["last_step"] >= a[-1]["start_step"] + 4
+                and a[-1]["last_step"] >= a[-1]["start_step"] + after
                 and a[-1]
             ),
             RUN_TIMEOUT,
-            f"group {group} to train 5 steps",
+            f"group {group} to train {after + 1} steps",
             first,
         )
         os.kill(running["pid"], signal.SIGTERM)  # its rank 0: a graceful drain
@@ -179,6 +231,7 @@ def crash_then_drain(cluster, prepared, tmp_path_factory):
     return dict(
         launch=launch,
         run_dir=run_dir,
+        crash_at=crash_at,
         first_rc=first_rc,
         first_out=first_out,
         again_rc=again_rc,
@@ -190,18 +243,26 @@ def crash_then_drain(cluster, prepared, tmp_path_factory):
     )
 
 
-def test_crashed_worker_is_replaced_and_its_group_resumes_from_the_last_checkpoint(
+def test_crashed_worker_is_replaced_and_its_group_resumes_from_the_newest_snapshot(
     crash_then_drain,
 ):
     r = crash_then_drain
+    crash_at = r["crash_at"]
     crashed, restarted, _ = r["records_before"]
     marker = (r["run_dir"] / "elastic" / "fault.json").read_text()
-    assert '"kind": "crash"' in marker and '"rank": 1' in marker and '"step": 5' in marker
-    assert "fault injection: crash of rank 1 before step 5" in r["first_out"]
-    assert crashed["last_step"] == 4 and restarted["start_step"] == 3  # checkpoint of step 3
+    assert '"kind": "crash"' in marker and '"rank": 1' in marker
+    assert f'"step": {crash_at}' in marker
+    assert f"fault injection: crash of rank 1 before step {crash_at}" in r["first_out"]
+    assert crashed["last_step"] == crash_at - 1
     assert restarted["world_size"] == 2
-    assert restarted["recovery"]["steps_lost"] == 2 and restarted["recovery"]["recovery_s"] > 0
-    assert f"resumed from {r['run_dir']}/checkpoints/step_000000003 at step 3" in r["first_out"]
+    lost = restarted["recovery"]["steps_lost"]
+    assert restarted["start_step"] == crash_at - lost
+    assert lost <= SNAPSHOT_EVERY + 1, (
+        "a crash costs at most the steps since the newest snapshot (one may be in flight)"
+    )
+    assert restarted["recovery"]["recovery_s"] > 0
+    step = restarted["start_step"]
+    assert re.search(rf"resumed from keeper://\S+/step_{step:09d} at step {step}\b", r["first_out"])
 
 
 def test_drained_group_checkpoints_the_step_it_is_at_and_loses_nothing(crash_then_drain):
@@ -210,7 +271,7 @@ def test_drained_group_checkpoints_the_step_it_is_at_and_loses_nothing(crash_the
     for group in (drained, drained_again):
         left = group["left_at"]["step"]
         assert group["last_step"] == left - 1, "every trained step is in the drain's checkpoint"
-        assert left in r["checkpoints_before"]
+        assert left in r["checkpoints_before"], "a drain's checkpoint is durable"
     assert drained_again["start_step"] == drained["left_at"]["step"]
     assert drained_again["recovery"]["steps_lost"] == 0
     assert drained_again["recovery"]["recovery_s"] > 0
@@ -218,7 +279,7 @@ def test_drained_group_checkpoints_the_step_it_is_at_and_loses_nothing(crash_the
     assert r["first_rc"] != 0, "the second drain was the third failure with cluster.max_failures=2"
     first_run = mlflow_runs(r["launch"], "crash")[0]
     assert history(r["launch"], first_run, "elastic/steps_lost") == [
-        (3, 2.0),
+        (drained["start_step"], float(drained["recovery"]["steps_lost"])),
         (drained["left_at"]["step"], 0.0),
     ]
 
@@ -245,8 +306,9 @@ def test_crash_and_drain_losses_equal_an_uninterrupted_run_with_no_step_skipped(
     assert steps == list(range(CRASH_STEPS)), "each step logged exactly once across both launches"
     for losses in per_run:
         assert_matches_reference(losses, r["reference"], "first training")
-    retrained = r["records"][1]["retrained_losses"]
-    assert sorted(map(int, retrained)) == [3, 4]
+    restarted = r["records"][1]
+    retrained = restarted.get("retrained_losses", {})
+    assert sorted(map(int, retrained)) == list(range(restarted["start_step"], r["crash_at"]))
     assert_matches_reference(retrained, r["reference"], "trained again after the crash")
     for step, loss in retrained.items():
         assert loss == pytest.approx(per_run[0][int(step)], rel=REL)
@@ -254,137 +316,185 @@ def test_crash_and_drain_losses_equal_an_uninterrupted_run_with_no_step_skipped(
     assert r["reference"][CRASH_STEPS - 1] < r["reference"][0]
 
 
-# ---- 2. a node lost, a node added ---------------------------------------------------------------
+# ---- 2. nodes lost, preempted, added ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def node_lost_then_added(cluster, prepared, tmp_path_factory):
+def nodes_come_and_go(cluster, prepared, tmp_path_factory):
+    """head + second + third: third lost, second preempted, two nodes added, both lost at once."""
+    rng = drill_rng("nodes")
+    after = {event: rng.randint(lo, hi) for event, lo, hi in EVENTS}
+    third = cluster.add_node(1)
     launch = tmp_path_factory.mktemp("elastic")
     run_dir = launch / "runs" / "elastic"
     args = cli_overrides(
         prepared,
         f"train.steps={ELASTIC_STEPS}",
         "cluster.min_workers=1",
-        "cluster.max_workers=2",
+        "cluster.max_workers=3",
         "cluster.elastic_resize_monitor_interval_s=1",
         "cluster.run_name=elastic",
         "tracking.experiment=elastic",
-        f"train.checkpoint_every={ELASTIC_STEPS // 2}",  # durable: once mid-run, and at the end
-        f"train.snapshot_every={SNAPSHOT_EVERY}",  # in the keepers' memory, on both nodes
+        f"train.checkpoint_every={CHECKPOINT_EVERY}",  # durable: rarely
+        f"train.snapshot_every={SNAPSHOT_EVERY}",  # in the keepers' memory, on every node
     )
     run = start_cli(launch, cluster.address, *args)
-    wait_until(
-        lambda: (
-            (a := attempts(run_dir)) and a[-1]["world_size"] == 2 and (a[-1]["last_step"] or 0) >= 7
-        ),
-        RUN_TIMEOUT,
-        "step 7 at world size 2",
-        run,
-    )
-    cluster.remove_node(cluster.second)  # its worker process dies with it
-    wait_until(
-        lambda: (
-            (a := attempts(run_dir))
-            and a[-1]["world_size"] == 1
-            and (a[-1]["last_step"] or -1) >= a[-2]["last_step"] + 2
-        ),
-        RUN_TIMEOUT,
-        "two new steps at world size 1",
-        run,
-    )
+
+    def trained(world: int, steps: int, what: str, since: float = 0.0) -> list[dict]:
+        """Wait until the group at `world` workers started after `since` trained `steps`."""
+        return wait_until(
+            lambda: (
+                (a := attempts(run_dir))
+                and a[-1]["world_size"] == world
+                and a[-1]["started"] > since
+                and a[-1]["start_step"] is not None
+                and (a[-1]["last_step"] or -1) >= a[-1]["start_step"] + steps - 1
+                and a
+            ),
+            RUN_TIMEOUT,
+            what,
+            run,
+        )
+
+    trained(3, after["lose"], f"{after['lose']} steps at world size 3")
+    cluster.remove_node(third)  # its worker and keeper die with it
+    trained(2, after["preempt"], f"{after['preempt']} steps at world size 2")
+    cluster.occupy(cluster.second)  # lives on after the drain, as a cloud's node until its end
+    cluster.preempt_node(cluster.second)
+    at_one = trained(1, after["add"], f"{after['add']} steps at world size 1")
     added_at = time.time()
-    added = cluster.add_node(1)
-    wait_until(
-        lambda: (
-            (a := attempts(run_dir))
-            and a[-1]["world_size"] == 2
-            and a[-1]["started"] > added_at
-            and (a[-1]["last_step"] or -1) >= (a[-1]["start_step"] or 0) + 4
-        ),
-        RUN_TIMEOUT,
-        "the group grown back to 2 to train 5 steps",
-        run,
-    )
-    cluster.occupy(added)  # lives on after the drain, as a cloud's preempted node until its end
-    cluster.preempt_node(added)
+    added = cluster.add_nodes(2)
+    grown = trained(3, after["lose_two"], "the group grown to 3", since=added_at)
+    durable_before = [c.step for c in list_checkpoints(str(run_dir / "checkpoints"))]
+    cluster.remove_nodes(added)  # both at once: a snapshot shard loses both its copies
     rc = run.wait(RUN_TIMEOUT)
     records = attempts(run_dir)
-    schedule = [(a["world_size"], b["start_step"]) for a, b in zip(records, records[1:])]
-    reference = reference_for(
-        ELASTIC_STEPS,
-        prepared,
-        schedule + [(records[-1]["world_size"], None)],
-        tmp_path_factory.mktemp("ref-elastic"),
-    )
+    trained = [a for a in records if a["start_step"] is not None]  # (a grow may skip one)
+    reference = reference_with_lost_branches(trained, prepared, tmp_path_factory)
     print("\n".join(["elastic recoveries:", *recovery_summary(records)]))
-    return dict(launch=launch, rc=rc, out=run.output(), records=records, reference=reference)
+    return dict(
+        launch=launch,
+        run_dir=run_dir,
+        rc=rc,
+        out=run.output(),
+        records=records,
+        reference=reference,
+        at_one=len(at_one),
+        grown=len(grown),
+        durable_before=durable_before,
+    )
 
 
-def test_run_goes_on_at_the_smaller_size_when_a_node_is_lost_and_grows_when_one_is_added(
-    node_lost_then_added,
-):
-    r = node_lost_then_added
+def test_run_goes_on_at_each_new_size_as_nodes_leave_and_join(nodes_come_and_go):
+    r = nodes_come_and_go
     assert r["rc"] == 0, r["out"][-6000:]
     records = r["records"]
-    assert [a["world_size"] for a in records] == [2, 1, 2, 1], (
-        "no other restart: none while the drained node lingered (Ray would grow onto it)"
+    sizes = [a["world_size"] for a in records]
+    # Two nodes joining are one grow, or two when Ray's resize check saw one before the other
+    # (the group of 2 may then be drained for the next grow before its first step).
+    assert sizes in ([3, 2, 1, 3, 1], [3, 2, 1, 2, 3, 1]), (
+        f"{sizes}: no other restart, none while the drained node lingered (Ray would grow onto it)"
     )
-    assert "startup timed out" not in r["out"], (
-        "the restart after the node loss asked for the lost node"
-    )
+    assert "startup timed out" not in r["out"], "a restart asked for a node that had left"
     assert "cannot renew Ray's cluster view" not in r["out"]
-    assert all(a["last_step"] >= a["start_step"] for a in records), "every group trained"
-    assert records[-1]["last_step"] == ELASTIC_STEPS - 1
-    lost_node = records[1]
-    assert lost_node["recovery"]["steps_lost"] <= SNAPSHOT_EVERY + 1, (
-        "a node's death costs at most the steps since the newest snapshot (one may be in flight)"
+    trained = [a for a in records if a["start_step"] is not None]
+    skipped = [a for a in records if a["start_step"] is None]
+    assert all(a["last_step"] >= a["start_step"] for a in trained), "every group trained"
+    assert all(a["world_size"] == 2 and a["left_at"] for a in skipped), (
+        "only a group of the grow drained before its first step"
     )
-    assert "resumed from keeper://" in r["out"]
-    for restart in records[1:]:
+    assert records[-1]["last_step"] == ELASTIC_STEPS - 1
+    for restart in trained[1:]:
         lost = restart["recovery"]["steps_lost"]
         assert restart["recovery"]["recovery_s"] > 0
         assert lost == len(restart.get("retrained_losses", {})), (
             "the steps lost are the steps trained again"
         )
     (run,) = mlflow_runs(r["launch"], "elastic")
-    sizes = history(r["launch"], run, "elastic/world_size")
-    changes = [sizes[0][1]] + [v for (_, a), (_, v) in zip(sizes, sizes[1:]) if v != a]
-    assert changes == [2.0, 1.0, 2.0, 1.0]
-    assert history(r["launch"], run, "elastic/restarts")[-1] == (ELASTIC_STEPS - 1, 3.0)
-    assert len(history(r["launch"], run, "elastic/recovery_s")) == 3
+    history_sizes = history(r["launch"], run, "elastic/world_size")
+    changes = [history_sizes[0][1]] + [
+        v for (_, a), (_, v) in zip(history_sizes, history_sizes[1:]) if v != a
+    ]
+    assert changes == [float(a["world_size"]) for a in trained]
+    restarts = len(records) - 1
+    assert history(r["launch"], run, "elastic/restarts")[-1] == (ELASTIC_STEPS - 1, restarts)
+    # One point per resume step: MLflow keeps a step's first value (two groups resumed at the
+    # step of the grow's drain when the two lost nodes took the snapshot with them).
+    resumed_at = {a["start_step"] for a in trained[1:]}
+    assert len(history(r["launch"], run, "elastic/recovery_s")) == len(resumed_at)
 
 
-def test_a_joined_node_grows_the_group_after_it_checkpointed_the_step_it_was_at(
-    node_lost_then_added,
-):
-    """Drain on grow (cluster/elastic/grow.py): before Ray tears the running group down to
-    grow it, the group commits a checkpoint of the step it is at, so the join loses no step."""
-    r = node_lost_then_added
-    before, grown = r["records"][1:3]
-    assert (before["world_size"], grown["world_size"]) == (1, 2)
-    assert before["left_at"]["step"] == before["last_step"] + 1 == grown["start_step"]
-    assert grown["recovery"]["steps_lost"] == 0 and "retrained_losses" not in grown
-    assert f"elastic: drained at step {grown['start_step']}" in r["out"]
+def test_a_lost_node_costs_at_most_the_steps_since_the_newest_snapshot(nodes_come_and_go):
+    r = nodes_come_and_go
+    after_loss = r["records"][1]
+    assert after_loss["world_size"] == 2
+    assert after_loss["recovery"]["steps_lost"] <= SNAPSHOT_EVERY + 1, (
+        "a node's death costs at most the steps since the newest snapshot (one may be in flight)"
+    )
+    step = after_loss["start_step"]
+    assert re.search(rf"resumed from keeper://\S+/step_{step:09d} at step {step}\b", r["out"])
 
 
-def test_preempted_node_checkpoints_the_step_it_is_at_and_loses_nothing(node_lost_then_added):
-    r = node_lost_then_added
-    preempted, after = r["records"][2:]
+def test_preempted_node_checkpoints_the_step_it_is_at_and_loses_nothing(nodes_come_and_go):
+    r = nodes_come_and_go
+    preempted, after = r["records"][1:3]
+    assert (preempted["world_size"], after["world_size"]) == (2, 1)
     assert "Ray preemption notice for ranks" in r["out"]
     assert preempted["left_at"]["step"] == preempted["last_step"] + 1 == after["start_step"]
     assert after["recovery"]["steps_lost"] == 0 and "retrained_losses" not in after
 
 
-def test_resized_run_losses_equal_an_uninterrupted_run_with_no_step_skipped(node_lost_then_added):
-    r = node_lost_then_added
+def test_joined_nodes_grow_the_group_after_it_checkpointed_the_step_it_was_at(nodes_come_and_go):
+    """Drain on grow (cluster/elastic/grow.py): before Ray tears the running group down to
+    grow it, the group commits a checkpoint of the step it is at, so a join loses no step."""
+    r = nodes_come_and_go
+    records = r["records"]
+    grows = range(r["at_one"], r["grown"])  # the groups started by the joins
+    assert grows, "the two nodes grew the group"
+    at = None
+    for k in grows:
+        before, grown = records[k - 1], records[k]
+        assert grown["world_size"] > before["world_size"]
+        left = before["left_at"]["step"]  # drained: every step it trained is in its checkpoint
+        if before["start_step"] is not None:
+            assert left == before["last_step"] + 1
+        else:  # drained before its first step, where it had resumed
+            assert left == at
+        assert f"elastic: drained at step {left}" in r["out"]
+        at = left
+        if grown["start_step"] is not None:  # (the next drain may come before its first step)
+            assert grown["start_step"] == at
+            assert grown["recovery"]["steps_lost"] == 0 and "retrained_losses" not in grown
+    assert records[r["grown"] - 1]["start_step"] == at
+
+
+def test_two_nodes_lost_at_once_fall_back_to_the_durable_checkpoint_and_say_so(
+    nodes_come_and_go,
+):
+    r = nodes_come_and_go
+    lost_two, after = r["records"][-2:]
+    assert (lost_two["world_size"], after["world_size"]) == (3, 1)
+    durable = after["start_step"]
+    assert durable in r["durable_before"] or durable == lost_two["start_step"]
+    assert (
+        f"no complete in-memory snapshot newer than the durable checkpoint of step {durable}: "
+        "resuming from that checkpoint"
+    ) in r["out"]
+    assert (
+        f"resumed from {r['run_dir']}/checkpoints/step_{durable:09d} at step {durable}"
+        in (r["out"])
+    )
+    assert after["recovery"]["steps_lost"] == lost_two["last_step"] + 1 - durable
+
+
+def test_resized_run_losses_equal_an_uninterrupted_run_with_no_step_skipped(nodes_come_and_go):
+    r = nodes_come_and_go
     (run,) = mlflow_runs(r["launch"], "elastic")
     losses = dict(history(r["launch"], run, "train/loss"))
     assert sorted(losses) == list(range(ELASTIC_STEPS))
-    assert_matches_reference(losses, r["reference"], "first training")
+    assert_matches_reference(losses, r["reference"]["first"], "first training")
     for record in r["records"][1:]:
         retrained = record.get("retrained_losses", {})
         assert_matches_reference(
-            retrained, r["reference"], f"trained again at world {record['world_size']}"
-        )
-        for step, loss in retrained.items():
-            assert loss == pytest.approx(losses[int(step)], rel=REL), f"step {step}: first vs again"
+            retrained, r["reference"]["path"], f"trained again at world {record['world_size']}"
+        )  # (first and again differ where the first was at another world size: a branch)

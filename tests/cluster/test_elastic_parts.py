@@ -131,6 +131,42 @@ def test_only_the_ranks_a_preemption_names_leave_their_process_the_others_raise(
     assert exits == [0]
 
 
+def _agree_who_leaves(rank: int, world: int) -> list[bool]:
+    """Rank 1's node is preempted; only rank 0 has Ray's notice when the group stops."""
+    from cluster.worker import agree_who_leaves  # noqa: PLC0415 -- next to its test
+
+    notice = SimpleNamespace(preempted_ranks=[1], deadline_ms=None)
+    watcher = DrainWatcher(rank, preemption_info=lambda: notice if rank == 0 else None)
+    stopped = watcher()
+    before = watcher.leaving
+    agree_who_leaves(watcher, rank, world)
+    return [stopped, before, watcher.leaving]
+
+
+def test_a_preempted_rank_that_stopped_on_another_ranks_notice_learns_it_must_go():
+    """Ray hands the notice to each worker in turn: the group may stop on rank 0's copy before
+    rank 1, the preempted one, has its own. Rank 1 must still leave (end its process, stop its
+    node's keeper), not raise like a rank that stays."""
+    from tests.dist_utils import run_distributed  # noqa: PLC0415 -- spawns processes
+
+    ranks = run_distributed(_agree_who_leaves, 2)
+    assert ranks == [[True, False, False], [False, False, True]]
+
+
+def test_a_notice_that_came_after_the_stop_is_read_once_more_on_every_rank():
+    seen = {"n": 0}
+    notice = SimpleNamespace(preempted_ranks=[1], deadline_ms=None)
+
+    def preemption_info():  # a barrier in Ray: each rank calls it as often as the others
+        seen["n"] += 1
+        return notice if seen["n"] > 1 else None
+
+    watcher = DrainWatcher(1, preemption_info=preemption_info)
+    assert not watcher() and not watcher.leaving  # the group stopped on another rank's word
+    assert watcher.leaving_ranks() == [1] and watcher.leaving
+    assert seen["n"] == 2
+
+
 SIGTERM_CHILD = textwrap.dedent("""
     import os, signal, sys, time
     from cluster import elastic
@@ -226,6 +262,62 @@ def test_crash_recovery_counts_the_steps_since_the_checkpoint_and_times_from_the
     assert record["retrained_losses"] == {"3": pytest.approx(4.7), "4": pytest.approx(4.6)}
 
 
+def test_the_controllers_clock_splits_rays_restart_and_a_stale_one_is_not_used(
+    folder, capsys, monkeypatch
+):
+    """RestartClock's hooks, in the order Ray's controller calls them on a worker death, then the
+    new group's tracker: its "ray restart" phase is split at those times and adds up to it."""
+    clock = Clock()
+    first = start_group(folder, clock)
+    train(first, clock, range(5))
+    died = clock.t + 0.05
+    folder.write(elastic.FAULT_MARKER, {"time": died})
+    controller = elastic.RestartClock(folder, "L1")
+    at = {"t": died}
+
+    def now_plus(dt):
+        at["t"] += dt
+        return at["t"]
+
+    monkeypatch.setattr(elastic.clock.time, "time", lambda: at["t"])
+    now_plus(0.25)
+    controller.before_controller_execute_failure_decision(object())
+    now_plus(0.5)
+    controller.before_worker_group_shutdown(None)
+    now_plus(0.75)
+    controller.after_worker_group_shutdown(None)
+    now_plus(1.0)
+    controller.before_controller_execute_resize_decision(object())  # the new size: not "decided"
+    controller.before_worker_group_start(None)
+    context = now_plus(5.0)
+    clock.t = context + 0.5
+    times = {"context": context, "entered": clock.t, "imported": clock.t}
+    second = ElasticTracker(folder, 0, 2, "L1", times, clock=clock)
+    train(second, clock, range(3, 5))
+    recovery = folder.read(second.name)["recovery"]
+    assert recovery["ray_phases"] == pytest.approx(
+        {
+            "detect_s": 0.25,
+            "teardown_s": 1.25,
+            "decide_s": 1.0,
+            "start_workers_s": 5.0,
+        }
+    )
+    assert sum(recovery["ray_phases"].values()) == pytest.approx(
+        recovery["breakdown"]["ray_restart_s"]
+    )
+    assert "ray restart: detect 0.2 s, teardown 1.2 s, decide 1.0 s, start workers 5.0 s" in (
+        capsys.readouterr().out
+    )
+    # The next failure finds the clock of the start before it: not this restart's, not used.
+    folder.write(elastic.FAULT_MARKER, {"time": clock.t + 0.05})
+    clock.t += 5.0
+    third = start_group(folder, clock)
+    train(third, clock, range(3, 5))
+    assert "ray_phases" not in folder.read(third.name)["recovery"]
+    assert "ray restart:" not in capsys.readouterr().out
+
+
 def test_graceful_drain_loses_no_step_and_an_unannounced_death_times_from_the_last_step(folder):
     clock = Clock()
     first = start_group(folder, clock)
@@ -318,41 +410,63 @@ def test_workers_that_fit_count_only_alive_nodes_not_being_drained():
     assert elastic.workers_that_fit({"CPU": 2.0, "GPU": 0.0}, nodes, draining=set()) == 1 + 4 + 2
 
 
-def test_rays_policy_decides_nothing_while_a_draining_node_lingers(monkeypatch):
-    """A preempted node's raylet lives on until its deadline, and Ray's coordinator counts it:
-    unwrapped, each resize check of the group running without it "grows" onto it, a restart of
-    the group at its own size every check."""
+def test_rays_policy_counts_what_the_usable_nodes_hold(monkeypatch):
+    """A preempted node's raylet lives on until its deadline, and Ray's coordinator counts it,
+    even reserves one of the group's bundles on it. Unwrapped, each resize check of the group
+    running without it "grows" onto it: a restart of the group at its own size every check. The
+    count is capped, not filtered: a node that joined while the coordinator reserved the
+    draining one instead is still grown onto."""
     from ray.train import ScalingConfig  # noqa: PLC0415 -- ray: seconds, only where needed
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 
+    for method in ("_count_possible_workers", "make_decision_for_running_worker_group"):
+        monkeypatch.setattr(  # restored after the test
+            ElasticScalingPolicy, method, getattr(ElasticScalingPolicy, method)
+        )
+    cluster = {"nodes": [], "draining": []}
     monkeypatch.setattr(
-        ElasticScalingPolicy,
-        "_count_possible_workers",
-        ElasticScalingPolicy._count_possible_workers,  # restored after the test
+        elastic.cluster_view.ray,
+        "nodes",
+        lambda: [{"NodeID": n, "Alive": True, "Resources": {"CPU": 1.0}} for n in cluster["nodes"]],
     )
-    reserved = {"head": {"CPU": 1.0}, "leaving": {"CPU": 1.0}, "gone": {"CPU": 1.0}}
-    alive = [{"NodeID": "head", "Alive": True}, {"NodeID": "leaving", "Alive": True}]
-    monkeypatch.setattr(elastic.cluster_view.ray, "nodes", lambda: alive)
-    draining = {"ids": ["leaving"]}
     monkeypatch.setattr(
         elastic.cluster_view.ray._private.state.state,
         "get_draining_nodes",
-        lambda: {n: 0 for n in draining["ids"]},
+        lambda: {n: 0 for n in cluster["draining"]},
     )
 
-    def decide(policy):
+    def decide(running: int, reserved: list[str]):
+        policy = ElasticScalingPolicy(
+            ScalingConfig(num_workers=(1, 3), elastic_resize_monitor_interval_s=0.0)
+        )
         monkeypatch.setattr(policy, "_maybe_send_resource_request", lambda: None)
-        monkeypatch.setattr(policy, "_get_reserved_resources", lambda: reserved)
-        running = SimpleNamespace(num_workers=1, start_time=float("-inf"))
-        return policy.make_decision_for_running_worker_group(running, None)
+        monkeypatch.setattr(
+            policy, "_get_reserved_resources", lambda: {n: {"CPU": 1.0} for n in reserved}
+        )
+        group = SimpleNamespace(num_workers=running, start_time=float("-inf"))
+        return policy.make_decision_for_running_worker_group(group, None)
 
-    config = ScalingConfig(num_workers=(1, 3), elastic_resize_monitor_interval_s=0.0)
-    assert isinstance(decide(ElasticScalingPolicy(config)), ResizeDecision)  # Ray alone: 3
+    # Preempted, lingering: the group runs on head alone; Ray reserved a bundle on "leaving".
+    cluster.update(nodes=["head", "leaving"], draining=["leaving"])
+    assert isinstance(decide(1, ["head", "leaving"]), ResizeDecision)  # Ray alone: grow onto it
     assert elastic.count_usable_nodes_only() and elastic.count_usable_nodes_only()  # idempotent
-    assert isinstance(decide(ElasticScalingPolicy(config)), NoopDecision)
-    draining["ids"] = []  # the node is back in service: the group grows onto it
-    assert decide(ElasticScalingPolicy(config)).num_workers == 2
+    assert isinstance(decide(1, ["head", "leaving"]), NoopDecision)
+    # Just told it will be preempted, the node still runs one of the 2 workers: no resize down
+    # (it would tear the group down before its workers drain).
+    assert isinstance(decide(2, ["head", "leaving"]), NoopDecision)
+    policy = ElasticScalingPolicy(ScalingConfig(num_workers=(1, 3)))
+    assert policy._count_possible_workers({"head": {"CPU": 1.0}, "leaving": {"CPU": 1.0}}) == 1
+    # (a group started now, as after the drain, is sized without it)
+    # A node lost: Ray's view still has it.
+    cluster.update(nodes=["head"], draining=[])
+    assert isinstance(decide(1, ["head", "gone"]), NoopDecision)
+    # Two nodes joined; the coordinator reserved the lingering one and one of them.
+    cluster.update(nodes=["head", "leaving", "c", "d"], draining=["leaving"])
+    assert decide(2, ["head", "leaving", "c"]).num_workers == 3
+    # Back in service: the group grows onto it.
+    cluster.update(nodes=["head", "leaving"], draining=[])
+    assert decide(1, ["head", "leaving"]).num_workers == 2
     assert not elastic.count_usable_nodes_only(None)
 
 
