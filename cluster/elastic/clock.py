@@ -1,10 +1,12 @@
 """When the Ray Train controller acted on a failure, for the recovery breakdown of the next group.
 
-A worker sees its own process start and its train context; what happened before (Ray noticing
-the failure, tearing the old group down, deciding the new size, placing the new one) happens in
-the controller. `RestartClock` (a controller callback, every run) notes those times and writes
-them to the run folder as the controller begins each group start; the new group's rank 0
-(tracker.py) reads them once, at its first step, and splits the "ray restart" phase with them.
+A worker sees when its train context was made; what happened before (Ray noticing the failure,
+tearing the old group down, deciding the new size, placing and starting the new workers) happens
+in the controller. (Its process's start time says nothing: Ray starts worker processes ahead,
+before the failure even.) `RestartClock` (a controller callback, every run) notes those times
+and writes them to the run folder as the controller begins each group start; the new group's
+rank 0 (tracker.py) reads them once, at its first step, and splits the "ray restart" phase with
+them.
 """
 
 from __future__ import annotations
