@@ -24,10 +24,10 @@ CLOCK = "controller_clock.json"
 
 class RestartClock(ControllerCallback, WorkerGroupCallback):
     """Notes, in the controller, when Ray decided to end the running group (`decided`: its
-    failure decision, or a resize of the running group), when it began and finished tearing
-    the group down (`teardown_began`, `teardown_done`) and when it began starting the next
-    group (`group_start`, written then). A write that fails is printed once and ignored: it
-    only feeds a breakdown."""
+    failure decision, or a resize of the running group), when it finished tearing the group
+    down (`teardown_done`; the teardown phase runs from the decision) and when it began
+    starting the next group (`group_start`, written then). A write that fails is printed once
+    and ignored: it only feeds a breakdown."""
 
     def __init__(self, folder: RunFolder, launch_id: str):
         self.folder, self.launch_id = folder, launch_id
@@ -39,9 +39,6 @@ class RestartClock(ControllerCallback, WorkerGroupCallback):
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
         self._times.setdefault("decided", time.time())  # after a failure's: not the first
-
-    def before_worker_group_shutdown(self, worker_group) -> None:
-        self._times.setdefault("teardown_began", time.time())
 
     def after_worker_group_shutdown(self, worker_group_context) -> None:
         self._times["teardown_done"] = time.time()
