@@ -7,6 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from cluster import spares
 from cluster.logs import NEVER_DEDUP, quiet_ray_driver, ray_train_logging
 
 if TYPE_CHECKING:  # annotations only: cluster.config imports cluster.tracking, which imports this
@@ -113,9 +114,23 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[SigtermCallback(), RestartClock(folder, launch_id)]
             + ([preemption] if preemption else [])
-            + ([ClusterView(c.elastic_resize_monitor_interval_s, lo, grow)] if elastic else []),
+            + (
+                [
+                    ClusterView(
+                        c.elastic_resize_monitor_interval_s,
+                        lo,
+                        grow,
+                        max_workers=hi,
+                        settle_s=c.grow_settle_s,
+                    )
+                ]
+                if elastic
+                else []
+            ),
             # Ray Train's INFO lines (one per report per rank among them) only when verbose
             logging_config=ray_train_logging(c.verbose),
+            # every worker process runs spares.preload, which warms the spares (cluster/spares.py)
+            worker_runtime_env=spares.worker_runtime_env() if c.spares_on else None,
         ),
         torch_config=ray.train.torch.TorchConfig(
             backend="nccl" if c.use_gpu else "gloo", timeout_s=int(math.ceil(c.pg_timeout_s))

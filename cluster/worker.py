@@ -18,6 +18,7 @@ from cluster.config import job_from_dict, run_folder
 from cluster.lease import LeaseGuard
 from cluster.logs import end_of_output, quiet_libraries, quiet_ray_worker
 from cluster.ray_checkpoint import read_pointer, report_checkpoint
+from cluster.spares import SpareRequest, this_process
 from trainer.metrics import MetricsLogger, MLflowLogger, NodeMetrics, NullLogger, print0
 
 
@@ -53,6 +54,11 @@ def assigned_device(use_gpu: bool):
     return ray.train.torch.get_device()
 
 
+def spare_request(cfg) -> Optional[Callable[[int], None]]:
+    """Each worker: a spare process on its node after the first step (cluster/spares.py)."""
+    return SpareRequest() if cfg.cluster.spares_on else None
+
+
 def train_loop_per_worker(config: dict) -> None:
     entered = time.time()
     # The driver imports this module too, and must not pay for ray and torch (seconds) before a
@@ -76,7 +82,13 @@ def train_loop_per_worker(config: dict) -> None:
         "imported": time.time(),
     }
     tracker = elastic.ElasticTracker(
-        folder, rank, world_size, launch.launch_id, times, startup=launch.startup
+        folder,
+        rank,
+        world_size,
+        launch.launch_id,
+        times,
+        startup=launch.startup,
+        spare=this_process(entered),
     )
     node_metrics = system_metrics(context, cfg, launch)
     drain = elastic.DrainWatcher(
@@ -101,7 +113,9 @@ def train_loop_per_worker(config: dict) -> None:
         logger=logger,
         device=assigned_device(cfg.cluster.use_gpu),
         before_step=elastic.chain(
-            tracker.before_step, elastic.FaultInjector(cfg.fault, rank, folder)
+            tracker.before_step,
+            elastic.FaultInjector(cfg.fault, rank, folder),
+            spare_request(cfg),
         ),
         after_step=after_steps(tracker.on_step, node_metrics and node_metrics.on_step),
         may_write=LeaseGuard(folder.location, launch.launch_id),

@@ -40,6 +40,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster import spares
 from cluster.keeper import SnapshotKeeper
 from trainer import storage
 
@@ -90,6 +91,7 @@ def ensure_keeper(run_key: str, node_id: str) -> ActorHandle:
         num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         get_if_exists=True,
+        runtime_env=spares.apart(),  # no preload, and no spare taken (it holds torch and MLflow)
     ).remote()
     _HANDLES.setdefault(run_key, {})[node_id] = handle
     return handle

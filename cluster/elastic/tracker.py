@@ -52,11 +52,13 @@ class ElasticTracker:
         times: dict[str, Optional[float]],
         clock: Callable[[], float] = time.time,
         startup: Optional[dict] = None,
+        spare: Optional[dict] = None,
     ):
         """`times`: 'context' (Ray created the worker, SigtermCallback), 'entered' (the training
         function started: Ray's backend set up the process group in between), 'imported' (the
         training stack is imported and the logger attached). `startup`: the driver's phases
-        (LaunchInfo.startup), for the start-up line of the launch's first group."""
+        (LaunchInfo.startup), for the start-up line of the launch's first group. `spare`:
+        whether this process was a spare started ahead (cluster/spares.py this_process)."""
         self.folder, self.clock = folder, clock
         self.startup = startup
         self.active = rank == 0
@@ -73,6 +75,7 @@ class ElasticTracker:
             "last_step": None,
             "last_step_time": None,
             "pending": None,
+            "spare": spare,
         }
         self.previous: Optional[dict] = None
         self.trained_before = -1
@@ -204,9 +207,18 @@ class ElasticTracker:
             f"elastic: restart {self.restarts} at world size {r['world_size']}, resumed at step "
             f"{pending['resumed_at']}; {lost}; recovery {pending['recovery_s']:.1f} s "
             f"({_phases(pending['breakdown'])})"
-            + (f"; ray restart: {_phases(ray)}" if ray else ""),
+            + (f"; ray restart: {_phases(ray)}" if ray else "")
+            + f"; rank 0 {_process_note(r.get('spare'))}",
             flush=True,
         )
+
+
+def _process_note(spare: Optional[dict]) -> str:
+    if spare is None:
+        return "in a new process"
+    if spare.get("warm_for_s") is None:
+        return "in a spare process still importing"
+    return f"in a spare process, warm for {spare['warm_for_s']:.1f} s"
 
 
 def _phases(seconds: dict[str, float]) -> str:

@@ -7,8 +7,9 @@ next). Every event falls at a random step (DRILL_SEED, printed, replays them). T
 compared step by step with the same config trained without Ray and without interruption, at the
 same world sizes (tests/cluster/elastic_reference.py says why):
 
-1. Fixed at 2 workers. Rank 1 crashes (fault config): Ray restarts the group, which resumes
-   from the newest complete snapshot, losing at most the steps since it. Then rank 0 gets a
+1. Fixed at 2 workers, with spare worker processes (cluster/spares.py). Rank 1 crashes (fault
+   config): Ray restarts the group in the spares, and it resumes from the newest complete
+   snapshot, losing at most the steps since it. Then rank 0 gets a
    SIGTERM: the group checkpoints the step it is at (durably) and leaves, and Ray restarts it
    from there. A second SIGTERM is the third failure with cluster.max_failures=2, so the run
    stops. Submitted again, it resumes from its last checkpoint and finishes.
@@ -56,7 +57,7 @@ SMALL = [
     "train.global_batch_size=6",
     "optim.warmup_steps=2",
 ]
-CRASH_STEPS = 80
+CRASH_STEPS = 170
 ELASTIC_STEPS = 1000  # the preemption must reach a group with steps left: they take ~15 ms here
 CHECKPOINT_EVERY = 50  # durable checkpoints: rarely (the drains' own are durable too)
 SNAPSHOT_EVERY = 1
@@ -183,7 +184,9 @@ def recovery_summary(records: list[dict]) -> list[str]:
 @pytest.fixture(scope="module")
 def crash_then_drain(cluster, prepared, tmp_path_factory):
     rng = drill_rng("crash")
-    crash_at = rng.randint(5, 30)
+    # Late enough (~12 s here) that the spares asked for at step 1 have started, and newer than
+    # the durable checkpoint of step 100, so that the group resumes from a snapshot.
+    crash_at = rng.randint(105, 145)
     drain_after = [rng.randint(2, 6) for _ in range(2)]
     launch = tmp_path_factory.mktemp("crash")
     run_dir = launch / "runs" / "crash"
@@ -199,6 +202,7 @@ def crash_then_drain(cluster, prepared, tmp_path_factory):
         "fault.kind=crash",
         f"train.checkpoint_every={CHECKPOINT_EVERY}",  # durable: rarely
         f"train.snapshot_every={SNAPSHOT_EVERY}",  # in the keepers' memory, on both nodes
+        "cluster.spare_workers=true",  # off by default on CPU workers
     )
     first = start_cli(launch, cluster.address, *args)
     for group, after in zip((2, 3), drain_after):  # drain the group after the crash, then the next
@@ -261,6 +265,7 @@ def test_crashed_worker_is_replaced_and_its_group_resumes_from_the_newest_snapsh
         "a crash costs at most the steps since the newest snapshot (one may be in flight)"
     )
     assert restarted["recovery"]["recovery_s"] > 0
+    assert restarted["spare"] is not None, "rank 0 restarted in the spare its node started"
     step = restarted["start_step"]
     assert re.search(rf"resumed from keeper://\S+/step_{step:09d} at step {step}\b", r["first_out"])
 

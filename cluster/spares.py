@@ -1,0 +1,253 @@
+"""Spare worker processes, started and warmed ahead, so that a restarted group does not wait
+for Python to import what training needs.
+
+Ray Train starts every worker group in new processes: it kills the old group's actors, and an
+actor never takes a process that ran anything else. In a new process, before a restarted group
+can train, measured here (2-core VM, tiny model, worker crash):
+
+    the worker process itself (python, ray, registering)            ~1 s
+    Ray Train's worker module (ray.train.v2 ... worker_group.worker)  0.9 s
+    our callbacks unpickled in it (cluster.config -> torch, ...)     3.0 s
+    MLflow on rank 0 (mlflow, its sqlalchemy store)                  2.4 s
+    torch._dynamo (torch.optim imports it on the first param group)  1.2 s
+
+That is ~8 of a 10-11 s recovery. The raylet can start a job's worker processes ahead for a
+given runtime env (its PrestartWorkers call, node_manager.proto: the one Ray's own task
+submitter uses for backlogs); an actor created later with that runtime env takes such an idle
+process instead of starting one. So, after each group's first step, every worker asks its own
+node's raylet for one spare (`request_spares`). A node's workers so ask for as many as the node
+runs; Ray Train's local ranks would not say that here: they group workers by IP, and the test
+clusters' nodes share one. Each spare imports PRELOAD while it waits (`preload`, the
+worker-process setup hook that `worker_runtime_env` puts in the train workers' runtime env).
+
+Every process of that runtime env runs the hook, not only spares: it starts a thread that waits
+IDLE_S and imports only if the process is still idle, i.e. not an actor. A process Ray started
+for an actor imports what it needs itself (no extra work on a first start), and nothing else is
+preloaded in it. Keepers are created from the workers and would inherit the hook (and could take
+a spare): `apart()` is their runtime env without it.
+
+Spares are the job's processes: Ray ends them with the job. Each holds the imports (about
+0.45 GiB of host memory here; nothing on the GPU: the preload never touches CUDA, so a spare
+learns its GPU from Ray like any new process). A spare nobody takes stays until the job ends;
+a group that never restarts pays that memory and the CPU of importing once.
+`cluster.spare_workers` (ClusterConfig) says where spares run: by default on GPU workers only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from typing import Optional
+
+HOOK = "cluster.spares.preload"
+"""The worker-process setup hook (a module path Ray imports in each new process)."""
+
+PRELOAD = (
+    "torch",
+    "torch._dynamo",  # torch.optim's first add_param_group imports it: 1.2 s
+    "ray.train.torch",
+    "ray.train.v2._internal.execution.worker_group.worker",  # the actor's class
+    "cluster.config",
+    "cluster.elastic",
+    "cluster.elastic.drain",
+    "cluster.elastic.preemption",
+    "cluster.elastic.clock",
+    "cluster.elastic.snapshots",
+    "cluster.worker",
+    "trainer.loop",
+    "trainer.checkpointing",
+    "ray.tune.trainable.trainable_fn_utils",  # ray.train.report's: 0.3 s at the first report
+    "ray._private.grpc_utils",  # request_spares
+    "mlflow",  # rank 0 logs the run: 2.4 s with its store
+    "mlflow.tracking",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.system_metrics.system_metrics_monitor",
+    "sqlalchemy.dialects.sqlite",
+)
+"""What a spare imports while it waits: what a worker process imported before its first step
+(measured with PYTHONPROFILEIMPORTTIME in a restarted rank 0). tests/cluster/test_spares.py
+checks that a preloaded process imports little else on the way to a trained step."""
+
+IDLE_S = 1.0
+"""How long a new process waits before it counts itself a spare: Ray hands a process it started
+for an actor its actor at once."""
+
+KEEP_ALIVE_S = 7 * 24 * 3600
+"""The raylet's keep-alive for a spare (it would otherwise end idle processes over its soft
+limit of one per CPU, which a 1-CPU node reaches at once). Ray ends them with the job."""
+
+
+def _hook_env_var() -> Optional[str]:
+    try:
+        from ray._private import ray_constants  # noqa: PLC0415 -- only where Ray runs
+
+        return ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+    except (ImportError, AttributeError):  # another Ray: no spares, nothing breaks
+        return None
+
+
+def worker_runtime_env() -> dict:
+    """RunConfig.worker_runtime_env: the setup hook in every train worker process. Ray's own
+    `worker_process_setup_hook` field is read only by ray.init (job level), so the hook goes in
+    as the env var that field becomes. Empty where this Ray has no such variable."""
+    var = _hook_env_var()
+    return {"env_vars": {var: HOOK}} if var else {}
+
+
+def apart() -> dict:
+    """The runtime env of actors the workers start that must not preload or take a spare (the
+    snapshot keepers): the hook unset."""
+    var = _hook_env_var()
+    return {"env_vars": {var: ""}} if var else {}
+
+
+def preload() -> None:
+    """The setup hook: never raises (an error in a setup hook ends the worker process)."""
+    try:
+        threading.Thread(target=_preload_if_idle, name="spare-preload", daemon=True).start()
+    except Exception as e:  # noqa: BLE001 -- a spare's imports are an optimisation only
+        print(f"spare worker: preload not started ({type(e).__name__}: {e})", flush=True)
+
+
+_PRELOADED: dict[str, float] = {}
+"""This process's preload, when it ran (a spare): its begin and end times."""
+_DECIDED = threading.Event()
+"""Set once the hook's thread has decided whether this process is a spare."""
+
+TITLE = "ray::IDLE (elastic-fsdp spare, warm)"
+"""A warm spare's process title (ps, top), until Ray gives it an actor and titles it anew."""
+
+
+def _preload_if_idle(idle_s: float = IDLE_S) -> None:
+    time.sleep(idle_s)
+    if not _is_idle():
+        _DECIDED.set()
+        return
+    _PRELOADED["began"] = time.time()
+    _DECIDED.set()
+    import_all(PRELOAD)
+    _PRELOADED["done"] = time.time()
+    if _is_idle():
+        _set_title(TITLE)
+
+
+def _set_title(title: str) -> None:
+    try:
+        import ray._raylet  # noqa: PLC0415
+
+        ray._raylet.setproctitle(title)
+    except Exception:  # noqa: BLE001 -- a title only
+        pass
+
+
+def this_process(now: Optional[float] = None) -> Optional[dict]:
+    """None for a process Ray started for its actor; for a spare, how long it imported
+    (`preload_s`) and how long before `now` it was done (`warm_for_s`; None: still importing
+    when its actor came)."""
+    if "began" not in _PRELOADED:
+        return None
+    now = time.time() if now is None else now
+    done = _PRELOADED.get("done")
+    return {
+        "preload_s": None if done is None else done - _PRELOADED["began"],
+        "warm_for_s": None if done is None or done > now else now - done,
+    }
+
+
+def _is_idle() -> bool:
+    try:
+        import ray  # noqa: PLC0415
+
+        return ray.get_runtime_context().get_actor_id() is None
+    except Exception:  # noqa: BLE001 -- cannot tell: do nothing
+        return False
+
+
+def import_all(modules) -> list[str]:
+    """Imports each module; returns those that failed (the process imports them itself when it
+    needs them, and fails there if it must)."""
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001
+            failed.append(name)
+    return failed
+
+
+def request_spares(count: int = 1, keep_alive_s: float = KEEP_ALIVE_S) -> None:
+    """Asks this node's raylet to start `count` idle worker processes with this worker's
+    runtime env (and job), which the next group's actors on this node take. Raises on failure
+    (the caller prints it once: spares only save time)."""
+    if count < 1:
+        return
+    import ray  # noqa: PLC0415
+    from ray._private.grpc_utils import init_grpc_channel  # noqa: PLC0415
+    from ray.core.generated import (  # noqa: PLC0415
+        common_pb2,
+        node_manager_pb2,
+        node_manager_pb2_grpc,
+        runtime_environment_pb2,
+    )
+
+    ctx = ray.get_runtime_context()
+    channel = init_grpc_channel(_raylet_address(ray, ctx.get_node_id()))
+    try:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
+            node_manager_pb2.PrestartWorkersRequest(
+                language=common_pb2.PYTHON,
+                job_id=bytes.fromhex(ctx.get_job_id()),
+                runtime_env_info=runtime_environment_pb2.RuntimeEnvInfo(
+                    serialized_runtime_env=ctx.get_runtime_env_string()
+                ),
+                keep_alive_duration_secs=int(keep_alive_s),
+                num_workers=int(count),
+            ),
+            timeout=10,
+        )
+    finally:
+        channel.close()
+
+
+def _raylet_address(ray, node_id: str) -> str:
+    from ray._common.network_utils import build_address  # noqa: PLC0415
+
+    node = getattr(ray._private.worker.global_worker, "node", None)  # this process's raylet
+    if node is not None and getattr(node, "node_manager_port", None):
+        return build_address(node.node_ip_address, node.node_manager_port)
+    for n in ray.nodes():  # a GCS call: only where the process does not know it
+        if n["NodeID"] == node_id and n["Alive"]:
+            return build_address(n["NodeManagerAddress"], n["NodeManagerPort"])
+    raise RuntimeError(f"node {node_id} is not among Ray's live nodes")
+
+
+class SpareRequest:
+    """WorkerContext.before_step of every worker: at the group's second step (its first is
+    done: the group's own start-up no longer competes for CPU), asks the node's raylet for
+    `count` spares, on a thread. Once per group; a failure is printed once and training goes
+    on."""
+
+    def __init__(self, count: int = 1, request=request_spares):
+        self.count, self._request = count, request
+        self._first: Optional[int] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def __call__(self, step: int) -> None:
+        if self.thread is not None:
+            return
+        if self._first is None:
+            self._first = step
+            return
+        self.thread = threading.Thread(target=self._run, name="spare-request", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._request(self.count)
+        except Exception as e:  # noqa: BLE001 -- spares only save time
+            print(
+                f"elastic: could not start {self.count} spare worker process(es) on this node "
+                f"({type(e).__name__}: {e}); a restart starts new ones",
+                flush=True,
+            )
