@@ -78,13 +78,15 @@ def run_once(launch: Path, address: str, mode: str, rep: int, a) -> dict:
     ]
     restarted = next(r for r in records if r.get("recovery", {}).get("recovery_s") is not None)
     rec = restarted["recovery"]
+    preloaded = (restarted.get("process") or {}).get("preloaded") or float("inf")
     return {
         "recovery_s": rec["recovery_s"],
         **rec["breakdown"],
         "start_workers_s": (rec.get("ray_phases") or {}).get("start_workers_s"),
         "steps_lost": rec["steps_lost"],
-        "spare": restarted.get("spare") is not None,
-        "warm": (restarted.get("spare") or {}).get("warm_for_s") is not None,
+        "spare": bool(rec.get("spare")),
+        # done importing before the failure (else the restart waited for the rest)
+        "warm": bool(rec.get("spare")) and preloaded < (rec.get("failure") or 0),
     }
 
 

@@ -20,11 +20,11 @@ runs; Ray Train's local ranks would not say that here: they group workers by IP,
 clusters' nodes share one. Each spare imports PRELOAD while it waits (`preload`, the
 worker-process setup hook that `worker_runtime_env` puts in the train workers' runtime env).
 
-Every process of that runtime env runs the hook, not only spares: it starts a thread that waits
-IDLE_S and imports only if the process is still idle, i.e. not an actor. A process Ray started
-for an actor imports what it needs itself (no extra work on a first start), and nothing else is
-preloaded in it. Keepers are created from the workers and would inherit the hook (and could take
-a spare): `apart()` is their runtime env without it.
+Every process of that runtime env runs the hook, not only spares (it cannot tell them apart):
+a process Ray starts for a worker actor, as at a group's first start, imports the same modules
+before its actor runs, which it would have imported anyway, except MLflow on ranks other than 0
+(~2 s of a core, in parallel with rank 0's own). Keepers are created from the workers and would
+inherit the hook (and could take a spare): `apart()` is their runtime env without it.
 
 Spares are the job's processes: Ray ends them with the job. Each holds the imports (about
 0.45 GiB of host memory here; nothing on the GPU: the preload never touches CUDA, so a spare
@@ -36,6 +36,7 @@ a group that never restarts pays that memory and the CPU of importing once.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 from typing import Optional
@@ -69,10 +70,6 @@ PRELOAD = (
 (measured with PYTHONPROFILEIMPORTTIME in a restarted rank 0). tests/cluster/test_spares.py
 checks that a preloaded process imports little else on the way to a trained step."""
 
-IDLE_S = 1.0
-"""How long a new process waits before it counts itself a spare: Ray hands a process it started
-for an actor its actor at once."""
-
 KEEP_ALIVE_S = 7 * 24 * 3600
 """The raylet's keep-alive for a spare (it would otherwise end idle processes over its soft
 limit of one per CPU, which a 1-CPU node reaches at once). Ray ends them with the job."""
@@ -103,33 +100,24 @@ def apart() -> dict:
 
 
 def preload() -> None:
-    """The setup hook: never raises (an error in a setup hook ends the worker process)."""
-    try:
-        threading.Thread(target=_preload_if_idle, name="spare-preload", daemon=True).start()
-    except Exception as e:  # noqa: BLE001 -- a spare's imports are an optimisation only
-        print(f"spare worker: preload not started ({type(e).__name__}: {e})", flush=True)
+    """The setup hook: imports PRELOAD before the process takes any work. Ray runs it after
+    the process registered with its raylet and before it runs a task, so an actor given the
+    process meanwhile waits for it. Synchronous on purpose: importing on a thread while the
+    actor imports the same packages on its own broke MLflow's circular imports ("cannot import
+    name '_get_store' from partially initialized module 'mlflow.tracking'": the crash drill,
+    when a group restarted in a spare still importing). Never raises (an error in a setup
+    hook ends the worker process)."""
+    _PRELOADED["began"] = time.time()
+    import_all(PRELOAD)
+    _PRELOADED["done"] = time.time()
+    _set_title(TITLE)  # Ray titles the process anew when it runs its first task
 
 
 _PRELOADED: dict[str, float] = {}
-"""This process's preload, when it ran (a spare): its begin and end times."""
-_DECIDED = threading.Event()
-"""Set once the hook's thread has decided whether this process is a spare."""
+"""When this process began and finished its preload (wall-clock times)."""
 
 TITLE = "ray::IDLE (elastic-fsdp spare, warm)"
-"""A warm spare's process title (ps, top), until Ray gives it an actor and titles it anew."""
-
-
-def _preload_if_idle(idle_s: float = IDLE_S) -> None:
-    time.sleep(idle_s)
-    if not _is_idle():
-        _DECIDED.set()
-        return
-    _PRELOADED["began"] = time.time()
-    _DECIDED.set()
-    import_all(PRELOAD)
-    _PRELOADED["done"] = time.time()
-    if _is_idle():
-        _set_title(TITLE)
+"""The process title (ps, top) of a process that has preloaded and has no work yet."""
 
 
 def _set_title(title: str) -> None:
@@ -141,27 +129,33 @@ def _set_title(title: str) -> None:
         pass
 
 
-def this_process(now: Optional[float] = None) -> Optional[dict]:
-    """None for a process Ray started for its actor; for a spare, how long it imported
-    (`preload_s`) and how long before `now` it was done (`warm_for_s`; None: still importing
-    when its actor came)."""
+def match_torch_threads() -> Optional[int]:
+    """In a preloaded process, size torch's intra-op thread pool as in a new one; returns the
+    size set, or None. The preload imported torch before Ray set OMP_NUM_THREADS for the actor
+    (the CPUs it was given), so torch sized its pool by the machine's cores: two ranks of one
+    CPU each ran 2 threads each on this 2-core VM (steps 2x slower after a restart in spares).
+    Call it in the actor, before training."""
     if "began" not in _PRELOADED:
         return None
-    now = time.time() if now is None else now
-    done = _PRELOADED.get("done")
-    return {
-        "preload_s": None if done is None else done - _PRELOADED["began"],
-        "warm_for_s": None if done is None or done > now else now - done,
-    }
-
-
-def _is_idle() -> bool:
     try:
-        import ray  # noqa: PLC0415
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    import torch  # noqa: PLC0415 -- preloaded
 
-        return ray.get_runtime_context().get_actor_id() is None
-    except Exception:  # noqa: BLE001 -- cannot tell: do nothing
-        return False
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+        return n
+    return None
+
+
+def this_process() -> Optional[dict]:
+    """{"started", "preloaded"}: when this process's preload began (the process had just
+    started) and ended; None where it ran none (spares off). A restarted group's rank whose
+    process started before the failure ran in a spare."""
+    if "began" not in _PRELOADED:
+        return None
+    return {"started": _PRELOADED["began"], "preloaded": _PRELOADED.get("done")}
 
 
 def import_all(modules) -> list[str]:

@@ -18,7 +18,7 @@ from cluster.config import job_from_dict, run_folder
 from cluster.lease import LeaseGuard
 from cluster.logs import end_of_output, quiet_libraries, quiet_ray_worker
 from cluster.ray_checkpoint import read_pointer, report_checkpoint
-from cluster.spares import SpareRequest, this_process
+from cluster.spares import SpareRequest, match_torch_threads, this_process
 from trainer.metrics import MetricsLogger, MLflowLogger, NodeMetrics, NullLogger, print0
 
 
@@ -68,6 +68,7 @@ def train_loop_per_worker(config: dict) -> None:
     from cluster import elastic  # noqa: PLC0415 -- imports ray
     from trainer.loop import WorkerContext, run_training  # noqa: PLC0415 -- imports torch
 
+    match_torch_threads()  # a spare imported torch before Ray set OMP_NUM_THREADS
     cfg = job_from_dict(config["job"])
     quiet_libraries(cfg.cluster.verbose)  # per process: the driver's setting does not reach here
     quiet_ray_worker(cfg.cluster.verbose)
@@ -88,7 +89,7 @@ def train_loop_per_worker(config: dict) -> None:
         launch.launch_id,
         times,
         startup=launch.startup,
-        spare=this_process(entered),
+        process=this_process(),
     )
     node_metrics = system_metrics(context, cfg, launch)
     drain = elastic.DrainWatcher(

@@ -52,13 +52,14 @@ class ElasticTracker:
         times: dict[str, Optional[float]],
         clock: Callable[[], float] = time.time,
         startup: Optional[dict] = None,
-        spare: Optional[dict] = None,
+        process: Optional[dict] = None,
     ):
         """`times`: 'context' (Ray created the worker, SigtermCallback), 'entered' (the training
         function started: Ray's backend set up the process group in between), 'imported' (the
         training stack is imported and the logger attached). `startup`: the driver's phases
-        (LaunchInfo.startup), for the start-up line of the launch's first group. `spare`:
-        whether this process was a spare started ahead (cluster/spares.py this_process)."""
+        (LaunchInfo.startup), for the start-up line of the launch's first group. `process`:
+        when this process started and preloaded (cluster/spares.py this_process; None where
+        spares are off)."""
         self.folder, self.clock = folder, clock
         self.startup = startup
         self.active = rank == 0
@@ -75,7 +76,7 @@ class ElasticTracker:
             "last_step": None,
             "last_step_time": None,
             "pending": None,
-            "spare": spare,
+            "process": process,
         }
         self.previous: Optional[dict] = None
         self.trained_before = -1
@@ -203,22 +204,23 @@ class ElasticTracker:
         ray = ray_phases(self.folder.read(CLOCK), r["launch"], failure, r["context"])
         if ray is not None:
             pending["ray_phases"] = ray
+        process = r.get("process") or {}
+        started = process.get("started")
+        pending["spare"] = started is not None and started < failure
         print(
             f"elastic: restart {self.restarts} at world size {r['world_size']}, resumed at step "
             f"{pending['resumed_at']}; {lost}; recovery {pending['recovery_s']:.1f} s "
             f"({_phases(pending['breakdown'])})"
             + (f"; ray restart: {_phases(ray)}" if ray else "")
-            + f"; rank 0 {_process_note(r.get('spare'))}",
+            + f"; rank 0 {_process_note(pending['spare'], started, failure)}",
             flush=True,
         )
 
 
-def _process_note(spare: Optional[dict]) -> str:
-    if spare is None:
+def _process_note(spare: bool, started: Optional[float], failure: float) -> str:
+    if not spare:
         return "in a new process"
-    if spare.get("warm_for_s") is None:
-        return "in a spare process still importing"
-    return f"in a spare process, warm for {spare['warm_for_s']:.1f} s"
+    return f"in a spare process (started {failure - started:.1f} s before the failure)"
 
 
 def _phases(seconds: dict[str, float]) -> str:

@@ -265,7 +265,7 @@ def test_crashed_worker_is_replaced_and_its_group_resumes_from_the_newest_snapsh
         "a crash costs at most the steps since the newest snapshot (one may be in flight)"
     )
     assert restarted["recovery"]["recovery_s"] > 0
-    assert restarted["spare"] is not None, "rank 0 restarted in the spare its node started"
+    assert restarted["recovery"]["spare"], "rank 0 restarted in the spare its node started"
     step = restarted["start_step"]
     assert re.search(rf"resumed from keeper://\S+/step_{step:09d} at step {step}\b", r["first_out"])
 

@@ -1,7 +1,7 @@
 """Spare worker processes (cluster/spares.py) on a real local Ray: a worker asks its raylet for
 a spare, the spare imports the training stack while it waits, and the next actor with the same
-runtime env starts in it; processes Ray starts for an actor, and keepers, import nothing extra;
-the spares end with their job; the preload never touches CUDA.
+runtime env starts in it; keepers neither preload nor take a spare; the spares end with their
+job; the preload never touches CUDA.
 
 The actors here stand in for Ray Train's workers: the same runtime env (spares'), one CPU.
 """
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -31,11 +32,16 @@ class Probe:
     def pid(self) -> int:
         return os.getpid()
 
-    def decided(self) -> bool:
-        return spares._DECIDED.wait(30)
-
-    def spare(self):
+    def process(self):
         return spares.this_process()
+
+    def threads(self) -> tuple[int, int, int]:
+        """(OMP_NUM_THREADS, torch's threads before the worker's fix-up, after it)"""
+        import torch
+
+        before = torch.get_num_threads()
+        spares.match_torch_threads()
+        return int(os.environ["OMP_NUM_THREADS"]), before, torch.get_num_threads()
 
     def imported(self, names: list[str]) -> list[str]:
         return [n for n in names if n in sys.modules]
@@ -84,10 +90,10 @@ def test_a_new_actor_starts_in_the_warm_spare_its_worker_asked_for(cluster):
     before = {p.pid for p in warm_spares()}
     first = probe_class().remote()
     first_pid = ray.get(first.pid.remote())
-    assert ray.get(first.decided.remote())
-    # A process Ray started for its actor is no spare and imports nothing extra.
-    assert ray.get(first.spare.remote()) is None
-    assert ray.get(first.imported.remote(["mlflow", "torch._dynamo", "trainer.loop"])) == []
+    # A process Ray started for the actor ran the hook too, before the actor (it cannot tell).
+    started = ray.get(first.process.remote())
+    assert started["preloaded"] >= started["started"]
+    assert set(ray.get(first.imported.remote(list(spares.PRELOAD)))) == set(spares.PRELOAD)
 
     ray.get(first.request.remote(1))
     spare = wait_until(lambda: warm_spares(before), WARM_TIMEOUT_S, "a warm spare")[0]
@@ -96,11 +102,17 @@ def test_a_new_actor_starts_in_the_warm_spare_its_worker_asked_for(cluster):
     assert spare.pid != first_pid
 
     ray.kill(first)  # as Ray Train ends a failed group
+    failed_at = time.time()
     second = probe_class().remote()
     assert ray.get(second.pid.remote()) == spare.pid
-    state = ray.get(second.spare.remote())
-    assert state is not None and state["warm_for_s"] is not None and state["preload_s"] > 0
+    process = ray.get(second.process.remote())
+    assert process["started"] < process["preloaded"] < failed_at  # warm before it was needed
     assert set(ray.get(second.imported.remote(list(spares.PRELOAD)))) == set(spares.PRELOAD)
+    # torch was imported before Ray set the actor's OMP_NUM_THREADS: the worker resizes its pool
+    omp, before, after = ray.get(second.threads.remote())
+    assert after == omp == 1
+    if (os.cpu_count() or 1) > 1:
+        assert before > 1, "the preload sized torch's pool by the machine's cores"
     ray.kill(second)
 
 
@@ -216,14 +228,11 @@ def test_a_failed_request_is_printed_and_training_goes_on(capsys):
     )
 
 
-def test_a_process_tells_whether_it_was_a_spare(monkeypatch):
+def test_a_process_tells_when_it_started_and_preloaded(monkeypatch):
     monkeypatch.setattr(spares, "_PRELOADED", {})
-    assert spares.this_process() is None
-    monkeypatch.setattr(spares, "_PRELOADED", {"began": 100.0})
-    assert spares.this_process(now=101.0) == {"preload_s": None, "warm_for_s": None}
+    assert spares.this_process() is None  # spares off: no hook ran
     monkeypatch.setattr(spares, "_PRELOADED", {"began": 100.0, "done": 104.0})
-    assert spares.this_process(now=110.0) == {"preload_s": 4.0, "warm_for_s": 6.0}
-    assert spares.this_process(now=103.0) == {"preload_s": 4.0, "warm_for_s": None}
+    assert spares.this_process() == {"started": 100.0, "preloaded": 104.0}
 
 
 def test_only_the_train_workers_runtime_env_carries_the_hook():
