@@ -487,7 +487,12 @@ class Snapshots:
         if group is not None:  # gloo connects a group at its first collective: not mid-snapshot
             dist.barrier(group=group)
         self.writer = CheckpointWriter(
-            root, keep=self.KEEP, async_save=True, group=group, retention_log_level=logging.DEBUG
+            root,
+            keep=self.KEEP,
+            async_save=True,
+            group=group,
+            retention_log_level=logging.DEBUG,
+            check_finite=True,  # on the host copy, on the writer's thread: no device sync
         )
         self.world = world_size
         self._in_flight: Optional[int] = None

@@ -7,6 +7,7 @@ be, so the background write is a sequential pass over that buffer computing bloc
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -107,6 +108,23 @@ def stage(
         for dev in {c.data.device for c in chunks if c.data.is_cuda}:
             torch.cuda.synchronize(dev)
     return staging
+
+
+def nonfinite_chunks(staging: torch.Tensor, placements: list[Placement]) -> list[str]:
+    """Keys of the floating-point chunks in `staging` (a host copy) holding a NaN or an
+    infinity: min/max reductions over each (no temporary the size of a chunk)."""
+    bad = []
+    for p in placements:
+        if not p.numel or not p.dtype.is_floating_point:
+            continue
+        view = staging[p.offset : p.offset + p.nbytes].view(p.dtype)
+        try:
+            lo, hi = torch.aminmax(view)
+        except RuntimeError:  # a dtype without CPU min/max (float8): through float32
+            lo, hi = torch.aminmax(view.float())
+        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+            bad.append(p.key)
+    return bad
 
 
 def write_shard(

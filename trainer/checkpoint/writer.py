@@ -52,11 +52,16 @@ class CheckpointWriter:
         block_bytes: int = BLOCK_BYTES,
         group: Optional[dist.ProcessGroup] = None,
         retention_log_level: int = logging.INFO,
+        check_finite: bool = False,
     ):
         """`root`: a local path or a pyarrow.fs URI (or a path inside `filesystem`); checkpoints
         go to f"{root}/step_{step:09d}". `keep`: committed checkpoints kept by rank 0.
         `block_bytes`: checksum block size (tests use small blocks). `group`: the process group
-        whose ranks save together (their barrier precedes the commit); None with one rank."""
+        whose ranks save together (their barrier precedes the commit); None with one rank.
+        `check_finite`: refuse a state with a NaN or an infinity in a floating-point chunk,
+        checked on the host copy on the writer's thread (the snapshots': the durable save checks
+        on the device first); that rank writes nothing, so rank 0's commit fails and the
+        previous checkpoint stays the newest."""
         if keep < 1:
             raise CheckpointError(f"CheckpointWriter keep={keep!r}; valid: an integer >= 1")
         if block_bytes <= 0 or block_bytes % 8 or block_bytes > MAX_BLOCK_BYTES:
@@ -69,6 +74,7 @@ class CheckpointWriter:
         self._group = group
         self.keep, self.async_save, self.block_bytes = keep, async_save, block_bytes
         self.retention_log_level = retention_log_level
+        self.check_finite = check_finite
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="ckpt-save") if async_save else None
         )
@@ -193,6 +199,14 @@ class CheckpointWriter:
     ) -> str:
         error = None
         try:
+            if self.check_finite:
+                bad = shard.nonfinite_chunks(staging, placements)
+                if bad:
+                    more = ", ..." if len(bad) > 3 else ""
+                    raise CheckpointError(
+                        f"not saving step {step}: rank {rank}'s state is not finite in "
+                        f"{len(bad)} tensor(s): {', '.join(bad[:3])}{more}"
+                    )
             shard.write_shard(
                 step_dir, step, rank, world_size, placements, total, staging, self.block_bytes
             )
