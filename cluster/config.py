@@ -116,9 +116,9 @@ class ClusterConfig:
     spare_workers: Optional[bool] = None
     """After each group's first step, every worker has its node start a spare worker process,
     which imports torch, Ray Train and MLflow while it waits: a restarted group starts in the
-    spares instead of in new processes (cluster/spares.py; a worker crash recovered in ~3 s
-    instead of ~10 on the 2-CPU test machine). A spare holds ~0.45 GiB of host memory, and
-    its imports take CPU once (~5 s of a core; the run's 2-core CPU workers slowed for ~13 s).
+    spares instead of in new processes (cluster/spares.py; a worker crash recovered in 2.3 s
+    instead of 10 on the 2-CPU test machine). A spare holds ~0.54 GiB of host memory, and its
+    imports take CPU once (~5 s of a core; the run's 2-core CPU workers slowed meanwhile).
     null: on for GPU workers (use_gpu), off for CPU workers, whose steps would compete with the
     spares' imports for the cores; true or false: always or never."""
     takeover: bool = False
