@@ -62,6 +62,25 @@ def _train(rank, world, cfg, root, snapshots, crash_at, settle=False):
     return dict(losses=r.losses, start=r.start_step, printed=out.getvalue(), crashed=False)
 
 
+def _train_losing_a_snapshot(rank, world, cfg, root, snapshots):
+    """Rank 1 cannot read the snapshots (OSError), as when the keepers holding its files died
+    after rank 0 listed them complete."""
+    import trainer.checkpointing as checkpointing
+
+    real = checkpointing.load_state
+
+    def load_state(model, optimizer, reader, *args, **kwargs):
+        if rank == 1 and reader.location.path.startswith(snapshots):
+            raise OSError(f"{reader.location.path}: no live keeper holds it any more")
+        return real(model, optimizer, reader, *args, **kwargs)
+
+    checkpointing.load_state = load_state
+    try:
+        return _train(rank, world, cfg, root, snapshots, None)
+    finally:
+        checkpointing.load_state = real
+
+
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
@@ -138,3 +157,19 @@ def test_incomplete_snapshots_fall_back_to_the_durable_checkpoint_and_say_so(cfg
     )
     assert f"resumed from {root}/step_000000004" in second["printed"]
     shutil.rmtree(snaps)
+
+
+def test_a_snapshot_one_rank_cannot_read_falls_back_on_every_rank_together(cfg, tmp_path):
+    cfg.train.checkpoint_every = 4  # durable: step 4; snapshots: steps 2 and 6
+    try:
+        root, snaps = str(tmp_path / "ckpt"), str(tmp_path / "snapshots")
+        cfg.train.snapshot_every = 2
+        run_distributed(_train, 2, cfg, root, snaps, 7)
+        fresh_ranks(2)
+        second = run_distributed(_train_losing_a_snapshot, 2, cfg, root, snaps)
+    finally:
+        cfg.train.checkpoint_every = 50
+    assert [r["start"] for r in second] == [4, 4]
+    assert f"checkpoint {snaps}/step_000000006 is unusable: OSError: " in second[1]["printed"]
+    assert "failed to load on some rank: falling back to an older one" in second[0]["printed"]
+    assert f"resumed from {root}/step_000000004" in second[0]["printed"]

@@ -423,19 +423,27 @@ class Checkpointer:
         return 0
 
     def _try_load(self, path: str) -> tuple[Optional[str], Optional[TrainerState]]:
-        """Load `path` into this rank's shards: (None, its state), or (the error text, None)."""
+        """Load `path` into this rank's shards: (None, its state), or (the error text, None).
+        A snapshot that cannot be read any more (OSError: the keepers holding a file died
+        after rank 0 listed it complete) is unusable like a corrupt checkpoint, and the ranks
+        move on together; a durable checkpoint's I/O error is raised (the storage may be back
+        at the next restart, and falling back would retrain steps it holds)."""
         try:
             reader = CheckpointReader(path)
-        except CheckpointError as e:
-            return str(e), None
-        st = reader.state
-        check_resumable(st, self.cfg, self.data_identity, path)
-        try:
+            st = reader.state
+            check_resumable(st, self.cfg, self.data_identity, path)
             load_state(self.model, self.optimizer, reader, st["optim_step"], self.device)
         except CheckpointError as e:
             return str(e), None
+        except OSError as e:
+            if not self._is_snapshot(path):
+                raise
+            return f"{type(e).__name__}: {e}", None
         known = {f.name for f in dataclasses.fields(TrainerState)}
         return None, TrainerState(**{k: st.get(k) for k in known})
+
+    def _is_snapshot(self, path: str) -> bool:
+        return self.snapshots is not None and path.startswith(self.snapshots.root.rstrip("/") + "/")
 
     def _adopt(self, path: str, state: TrainerState) -> int:
         """Every rank loaded `path`: take its step, RNG and scaler, and never delete it."""
