@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import time
 import urllib.parse
 from typing import Optional
 
@@ -37,7 +38,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import spares
@@ -55,7 +56,22 @@ _KeeperActor = ray.remote(SnapshotKeeper)
 
 _HANDLES: dict[str, dict[str, ActorHandle]] = {}
 """Per run key, node id -> keeper handle already looked up in this process (one GCS round trip
-per keeper saved on every filesystem call; the listing of live keepers is still asked each time)."""
+per keeper saved on every filesystem call)."""
+
+LIST_EVERY_S = 1.0
+"""How long a process reuses its listing of a run's live keepers. Listing them is one GCS call
+that lists every named actor of the cluster, and a snapshot makes several filesystem calls on
+every rank (it was asked on each). A keeper that died meanwhile fails its call, and that drops
+the listing; one that appeared meanwhile is seen at the next listing (files written before are
+placed among the keepers listed: still two nodes)."""
+_LISTED: dict[str, tuple[float, list[str]]] = {}
+
+CALL_TIMEOUT_S = 300.0
+"""The longest this process waits for one keeper call (a put of a multi-GB shard file
+included). A keeper that does not answer by then is treated like a lost one for that call: a
+put fails the snapshot (training goes on), a read asks the next copy, a listing leaves it out.
+Ray ends calls to a dead node's actors itself (its health check); this bounds what it would
+not: a keeper alive but stuck."""
 
 
 def _check_run_key(run_key: str) -> None:
@@ -94,18 +110,34 @@ def ensure_keeper(run_key: str, node_id: str) -> ActorHandle:
         runtime_env=spares.apart(),  # no preload, and no spare taken (it holds torch and MLflow)
     ).remote()
     _HANDLES.setdefault(run_key, {})[node_id] = handle
+    listed = _LISTED.get(run_key)
+    if listed is not None and node_id not in listed[1]:
+        _LISTED[run_key] = (listed[0], [*listed[1], node_id])
     return handle
 
 
-def keepers(run_key: str) -> dict[str, ActorHandle]:
-    """node id -> handle of every live keeper of `run_key`. A keeper that died (with its node,
-    or stopped) is not listed: Ray frees a dead actor's name."""
+def _forget(run_key: str, nodes=()) -> None:
+    """A keeper call failed: drop those keepers' handles and the listing (asked again next)."""
+    for node in nodes:
+        _HANDLES.get(run_key, {}).pop(node, None)
+    _LISTED.pop(run_key, None)
+
+
+def keepers(run_key: str, fresh: bool = False) -> dict[str, ActorHandle]:
+    """node id -> handle of every live keeper of `run_key`, as listed at most LIST_EVERY_S ago
+    (`fresh`: now). A keeper that died (with its node, or stopped) is not listed: Ray frees a
+    dead actor's name."""
     prefix = keeper_name(run_key, "")
-    live = [
-        a["name"][len(prefix) :]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
-    ]
+    listed = _LISTED.get(run_key)
+    if fresh or listed is None or time.monotonic() - listed[0] >= LIST_EVERY_S:
+        live = [
+            a["name"][len(prefix) :]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
+        ]
+        _LISTED[run_key] = (time.monotonic(), live)
+    else:
+        live = listed[1]
     cache = _HANDLES.setdefault(run_key, {})
     for node in set(cache) - set(live):
         cache.pop(node, None)
@@ -123,20 +155,21 @@ def keepers(run_key: str) -> dict[str, ActorHandle]:
 def stop_keepers(run_key: str) -> list[str]:
     """Kill every keeper of `run_key`, freeing the memory its snapshots held (the driver, at the
     end of the job: detached actors outlive it otherwise). Returns their node ids."""
-    found = keepers(run_key)
+    found = keepers(run_key, fresh=True)
     for handle in found.values():
         ray.kill(handle, no_restart=True)
     _HANDLES.pop(run_key, None)
+    _LISTED.pop(run_key, None)
     return sorted(found)
 
 
 def stop_keeper(run_key: str, node_id: str) -> bool:
     """Kill `run_key`'s keeper on `node_id` (its node is leaving); False if there was none."""
-    handle = keepers(run_key).get(node_id)
+    handle = keepers(run_key, fresh=True).get(node_id)
     if handle is None:
         return False
     ray.kill(handle, no_restart=True)
-    _HANDLES.get(run_key, {}).pop(node_id, None)
+    _forget(run_key, [node_id])
     return True
 
 
@@ -206,11 +239,12 @@ class KeeperFileSystem(pafs.FileSystemHandler):
         among = keepers(self.run_key) if among is None else among
         refs = {n: getattr(h, method).remote(*args) for n, h in among.items()}
         out = {}
+        deadline = time.monotonic() + CALL_TIMEOUT_S
         for node, ref in refs.items():
             try:
-                out[node] = ray.get(ref)
-            except RayActorError:
-                _HANDLES.get(self.run_key, {}).pop(node, None)
+                out[node] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except (RayActorError, GetTimeoutError):
+                _forget(self.run_key, [node])
         return out
 
     def _targets(self) -> dict[str, ActorHandle]:
@@ -230,11 +264,16 @@ class KeeperFileSystem(pafs.FileSystemHandler):
         for attempt in (1, 2):
             targets = self._targets()
             try:
-                ray.get([h.put.remote(key, ref) for h in targets.values()])
+                ray.get([h.put.remote(key, ref) for h in targets.values()], timeout=CALL_TIMEOUT_S)
                 return
+            except GetTimeoutError as e:
+                _forget(self.run_key, targets)
+                raise OSError(
+                    f"{self._where(key)}: not stored: a keeper on nodes {sorted(targets)} did "
+                    f"not answer within {CALL_TIMEOUT_S:.0f} s"
+                ) from e
             except RayActorError as e:
-                for node in targets:
-                    _HANDLES.get(self.run_key, {}).pop(node, None)
+                _forget(self.run_key, targets)
                 if attempt == 2:
                     raise OSError(
                         f"{self._where(key)}: not stored: a keeper failed the put on both tries, "
@@ -350,7 +389,7 @@ class KeeperFileSystem(pafs.FileSystemHandler):
         return pa.PythonFile(_RangeReader(key, size, holders, self._where(key)), mode="r")
 
     def open_output_stream(self, path: str, metadata=None) -> pa.NativeFile:
-        """Buffered in this process; the whole file goes to its two keepers on close."""
+        """To its two keepers: whole on close, or in parts of PART_BYTES (_Upload)."""
         return pa.PythonFile(_Upload(self, _key(path)), mode="w")
 
     def open_append_stream(self, path: str, metadata=None) -> pa.NativeFile:
@@ -360,20 +399,84 @@ class KeeperFileSystem(pafs.FileSystemHandler):
         )
 
 
-class _Upload(io.BytesIO):
-    """An output stream: bytes gather here and are shipped to the keepers by close(), so a
-    reader sees either no file or all of it (a put replaces the file at once)."""
+PART_BYTES = 64 * 2**20
+"""A file written through the keeper filesystem is sent in parts of this size as it is written
+(a shard's data file is GBs at 8B): the writer holds at most one part in its buffer and one in
+the object store, instead of the whole file twice. A smaller file goes whole."""
+
+
+class _Upload(io.RawIOBase):
+    """An output stream. A file up to PART_BYTES goes to its keepers whole on close (`_store`,
+    which places it again if a keeper is lost meanwhile); a larger one in parts as it is
+    written, one part in flight, and is committed on close: a reader sees either no file or all
+    of it. A keeper lost during a parted upload fails the file (its earlier parts are gone from
+    this process): the snapshot fails, and the next one is placed among the keepers left."""
 
     def __init__(self, fs: KeeperFileSystem, key: str):
         super().__init__()
         self._fs, self._key = fs, key
+        self._buf = bytearray()
+        self._written = 0
+        self._parts = 0
+        self._targets: Optional[dict[str, ActorHandle]] = None
+        self._in_flight: list = []
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._written
+
+    def write(self, data) -> int:
+        n = len(data)
+        self._buf += data
+        self._written += n
+        while len(self._buf) >= PART_BYTES:
+            part = bytes(self._buf[:PART_BYTES])
+            del self._buf[:PART_BYTES]
+            self._send(part)
+        return n
+
+    def _send(self, part: bytes) -> None:
+        if self._targets is None:
+            self._targets = self._fs._targets()
+        self._wait()
+        ref = ray.put(part)
+        self._in_flight = [
+            h.put_part.remote(self._key, self._parts, ref) for h in self._targets.values()
+        ]
+        self._parts += 1
+
+    def _wait(self, calls: Optional[list] = None) -> None:
+        calls, self._in_flight = (self._in_flight if calls is None else calls), []
+        if not calls:
+            return
+        try:
+            ray.get(calls, timeout=CALL_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as e:
+            _forget(self._fs.run_key, self._targets or ())
+            raise OSError(
+                f"{self._fs._where(self._key)}: not stored: a keeper on nodes "
+                f"{sorted(self._targets or ())} was lost or did not answer during the upload "
+                f"of part {self._parts} ({type(e).__name__})"
+            ) from e
 
     def close(self) -> None:
         if self.closed:
             return
-        data = self.getvalue()
-        super().close()
-        self._fs._store(self._key, data)
+        try:
+            if self._parts == 0:
+                self._fs._store(self._key, bytes(self._buf))
+            else:
+                if self._buf:
+                    self._send(bytes(self._buf))
+                self._wait()
+                self._wait(
+                    [h.commit.remote(self._key, self._parts) for h in self._targets.values()]
+                )
+        finally:
+            self._buf = bytearray()
+            super().close()
 
 
 class _RangeReader(io.RawIOBase):
@@ -418,8 +521,10 @@ class _RangeReader(io.RawIOBase):
         while self._holders:
             _, handle = self._holders[0]
             try:
-                data = ray.get(handle.read.remote(self._key, offset, length))
-            except RayActorError:
+                data = ray.get(
+                    handle.read.remote(self._key, offset, length), timeout=CALL_TIMEOUT_S
+                )
+            except (RayActorError, GetTimeoutError):
                 data = None
             if data is not None:
                 return data

@@ -240,7 +240,7 @@ def kill_keeper(key: str, node: str) -> None:
             break
         assert time.monotonic() < deadline, f"keeper on {node} still answers after {HANG_S} s"
         time.sleep(0.01)
-    while node in snapshots.keepers(key):  # the name is freed with the death, in Ray's time
+    while node in snapshots.keepers(key, fresh=True):  # the name is freed with the death
         assert time.monotonic() < deadline, f"keeper on {node} still listed after {HANG_S} s"
         time.sleep(0.01)
 
@@ -363,7 +363,7 @@ def test_alone_a_keeper_holds_the_only_copy(cluster):
         assert storage.read_bytes(loc) == b"abc"
     finally:
         snapshots.stop_keepers(key)
-    assert snapshots.keepers(key) == {}
+    assert snapshots.keepers(key, fresh=True) == {}
 
 
 @ray.remote(num_cpus=0)
@@ -429,3 +429,132 @@ def test_keeper_filesystem_answers_as_a_pyarrow_filesystem(saved):
     fs.delete_dir_contents(p)
     assert storage.list_dir(root) == {} and sum(bytes_held(saved.key).values()) == before
     assert list_checkpoints(saved.root)[0].problem is None  # the snapshot beside it untouched
+
+
+def test_a_process_lists_the_keepers_at_most_once_a_second_and_again_after_a_failure(
+    monkeypatch,
+):
+    """No cluster: Ray's listing and lookup are stood in for, and counted."""
+    key, clock = "listing-test", {"t": 100.0}
+    prefix = snapshots.keeper_name(key, "")
+    live = ["n1", "n2"]
+    calls = []
+
+    def list_named_actors(all_namespaces):
+        calls.append(clock["t"])
+        return [{"namespace": snapshots.NAMESPACE, "name": prefix + n} for n in live]
+
+    monkeypatch.setattr(snapshots.ray.util, "list_named_actors", list_named_actors)
+    monkeypatch.setattr(snapshots.ray, "get_actor", lambda name, namespace: f"handle:{name}")
+    monkeypatch.setattr(snapshots.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(snapshots, "_LISTED", {})
+    monkeypatch.setattr(snapshots, "_HANDLES", {})
+    assert sorted(snapshots.keepers(key)) == ["n1", "n2"] and len(calls) == 1
+    clock["t"] += 0.5
+    live.remove("n2")  # died: not seen until the listing is asked again
+    assert sorted(snapshots.keepers(key)) == ["n1", "n2"] and len(calls) == 1
+    snapshots._forget(key, ["n2"])  # what a failed call to it does
+    assert sorted(snapshots.keepers(key)) == ["n1"] and len(calls) == 2
+    clock["t"] += snapshots.LIST_EVERY_S
+    live.append("n3")
+    assert sorted(snapshots.keepers(key)) == ["n1", "n3"] and len(calls) == 3
+    assert sorted(snapshots.keepers(key, fresh=True)) == ["n1", "n3"] and len(calls) == 4
+
+
+@ray.remote(num_cpus=0)
+class StuckKeeper:
+    """A keeper that is alive but never answers (its node wedged, say)."""
+
+    def put(self, key, ref):
+        time.sleep(3600)
+
+    def info(self, keys):
+        time.sleep(3600)
+
+
+def test_a_keeper_that_does_not_answer_fails_the_put_and_is_left_out(cluster, monkeypatch):
+    monkeypatch.setattr(snapshots, "CALL_TIMEOUT_S", 1.0)
+    key = f"stuck-{uuid.uuid4().hex[:12]}"
+    stuck = StuckKeeper.options(
+        name=snapshots.keeper_name(key, cluster.head),
+        namespace=snapshots.NAMESPACE,
+        lifetime="detached",
+    ).remote()
+    try:
+        fs = pafs.PyFileSystem(snapshots.KeeperFileSystem(key, cluster.head))
+        started = time.monotonic()
+        with pytest.raises(OSError, match="did not answer within 1 s"):
+            with fs.open_output_stream("/a.bin") as f:
+                f.write(b"abc")
+        # a listing leaves it out rather than waiting for it
+        assert fs.get_file_info(["/a.bin"])[0].type == pafs.FileType.NotFound
+        assert time.monotonic() - started < HANG_S
+    finally:
+        ray.kill(stuck)
+
+
+# ---- files in parts ----------------------------------------------------------------------------
+
+
+def test_a_keeper_keeps_a_parted_file_and_reads_any_range_of_it():
+    """The keeper class itself, no Ray: parts, their commit, ranges across part boundaries."""
+    from cluster.keeper import SnapshotKeeper
+
+    k = SnapshotKeeper()
+    data = bytes(range(256)) * 9
+    parts = [data[i : i + 700] for i in range(0, len(data), 700)]
+    for i, part in enumerate(parts):
+        k.put_part("s/a.bin", i, part)
+    assert k.info(["s/a.bin", "s"]) == {} and k.read("s/a.bin", 0, 10) is None  # not yet
+    assert k.bytes_held() == len(data)  # an upload in progress holds memory too
+    assert k.commit("s/a.bin", len(parts)) == len(data)
+    assert k.info(["s/a.bin", "s"]) == {"s/a.bin": len(data), "s": None}
+    for offset in (0, 1, 699, 700, 701, 1399, 2000, len(data) - 1, len(data), len(data) + 5):
+        for length in (0, 1, 2, 699, 700, 1401, len(data)):
+            assert k.read("s/a.bin", offset, length) == data[offset : offset + length]
+    k.put_part("s/b.bin", 0, b"x")
+    with pytest.raises(ValueError, match="part 2 out of order"):
+        k.put_part("s/b.bin", 2, b"y")
+    with pytest.raises(ValueError, match="commit of 3 parts, but 1 came"):
+        k.commit("s/b.bin", 3)
+    assert k.delete_prefix("s/") == 1 and k.bytes_held() == 0  # the abandoned upload too
+
+
+def test_a_file_larger_than_a_part_goes_in_parts_and_reads_back_whole(cluster, monkeypatch):
+    monkeypatch.setattr(snapshots, "PART_BYTES", 1000)
+    key = f"parts-{uuid.uuid4().hex[:12]}"
+    data = torch.randint(0, 256, (5500,), dtype=torch.uint8).numpy().tobytes()
+    try:
+        for n in cluster.ring:
+            snapshots.ensure_keeper(key, n)
+        loc = storage.resolve(f"keeper://{key}/x/big.bin")
+        with loc.fs.open_output_stream(loc.path) as f:
+            for i in range(0, len(data), 300):  # the writer's small writes
+                f.write(data[i : i + 300])
+        assert storage.read_bytes(loc) == data
+        assert holders(key) == {"x/big.bin": {cluster.head, next_node(cluster.ring, cluster.head)}}
+        with loc.fs.open_input_file(loc.path) as f:
+            f.seek(990)
+            assert f.read(1020) == data[990:2010]  # across two part boundaries
+        assert sum(bytes_held(key).values()) == 2 * len(data)
+    finally:
+        snapshots.stop_keepers(key)
+
+
+def test_a_keeper_lost_during_a_parted_upload_fails_the_file(cluster, monkeypatch):
+    monkeypatch.setattr(snapshots, "PART_BYTES", 1000)
+    key = f"parts-{uuid.uuid4().hex[:12]}"
+    try:
+        for n in cluster.ring:
+            snapshots.ensure_keeper(key, n)
+        peer = next_node(cluster.ring, cluster.head)
+        loc = storage.resolve(f"keeper://{key}/x/big.bin")
+        f = loc.fs.open_output_stream(loc.path)
+        f.write(b"a" * 2500)  # two parts sent
+        kill_keeper(key, peer)
+        with pytest.raises(OSError, match="was lost or did not answer during the upload"):
+            f.write(b"b" * 2500)
+            f.close()
+        assert loc.fs.get_file_info(loc.path).type == pafs.FileType.NotFound
+    finally:
+        snapshots.stop_keepers(key)
