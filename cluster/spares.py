@@ -67,12 +67,15 @@ PRELOAD = (
     "sqlalchemy.dialects.sqlite",
 )
 """What a spare imports while it waits: what a worker process imported before its first step
-(measured with PYTHONPROFILEIMPORTTIME in a restarted rank 0). tests/cluster/test_spares.py
-checks that a preloaded process imports little else on the way to a trained step."""
+(measured with PYTHONPROFILEIMPORTTIME in a restarted rank 0: what it imported after a
+preload of this list came to about 0.1 s). tests/cluster/test_spares.py checks that every one
+imports and that none touches CUDA; a module the worker path adds later is imported on the
+critical path again, which benchmarks.recovery's imports column would show."""
 
 KEEP_ALIVE_S = 7 * 24 * 3600
-"""The raylet's keep-alive for a spare (it would otherwise end idle processes over its soft
-limit of one per CPU, which a 1-CPU node reaches at once). Ray ends them with the job."""
+"""PrestartWorkers' keep_alive_duration_secs: how long the raylet keeps a spare even when its
+idle processes exceed its soft limit (one per CPU). A spare waits for a failure that may come
+days into a run; Ray ends it with its job in any case (tested)."""
 
 
 def _hook_env_var() -> Optional[str]:
