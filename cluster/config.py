@@ -109,6 +109,12 @@ class ClusterConfig:
     long for it (a step and a checkpoint), then grows it anyway. Ray's controller does nothing
     else meanwhile: a group that dies during the drain is restarted only after this long.
     0: no drain on grow."""
+    health_check_interval_s: float = 1.0
+    """How often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
+    Ray's default 2 s): a worker that died is noticed within this long, which is part of every
+    crash's recovery (2.3 s here with spares). Each poll is a call to every worker: at a
+    thousand workers, 1 s means a thousand calls a second on the controller. The environment
+    variable, when you set it, wins."""
     grow_settle_s: float = 5.0
     """Before Ray grows a running elastic group, wait up to this long for more nodes (nodes of
     one scale-up come seconds apart) and grow onto all of them at once, up to max_workers: one
@@ -178,6 +184,11 @@ class ClusterConfig:
                 timeout,
                 "0 (no drain on grow) or a positive number of seconds",
             )
+        check_positive(
+            "cluster.health_check_interval_s",
+            self.health_check_interval_s,
+            "a positive number of seconds",
+        )
         settle = self.grow_settle_s
         if not (math.isfinite(settle) and settle >= 0):
             fail(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from cluster import spares
 from cluster.logs import NEVER_DEDUP, quiet_ray_driver, ray_train_logging
@@ -63,6 +63,25 @@ def connect_largest(cfgs: list[JobConfig]) -> None:
         sys.exit(1)
 
 
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+HEALTH_CHECK_OURS = "ELASTIC_FSDP_SET_HEALTH_CHECK_INTERVAL"
+"""The value we set RAY_TRAIN_HEALTH_CHECK_INTERVAL_S to (cluster.health_check_interval_s). A
+process started from this one (a test that built a trainer, then launched the CLI; a sweep's
+next job) inherits both and, while they agree, applies its own config instead of taking the
+inherited value for the user's (what happened with the preemption watcher's switch). A value
+that differs from it was set by someone else since: the user's."""
+
+
+def set_health_check_interval(seconds: float) -> Optional[str]:
+    """Ray Train reads its controller's poll interval from the driver's environment (and hands it
+    to the controller): set it to `seconds` unless the user set it. Returns the value in force."""
+    current = os.environ.get(HEALTH_CHECK_ENV)
+    if current is not None and current != os.environ.get(HEALTH_CHECK_OURS):
+        return current
+    os.environ[HEALTH_CHECK_ENV] = os.environ[HEALTH_CHECK_OURS] = f"{seconds:g}"
+    return os.environ[HEALTH_CHECK_ENV]
+
+
 def build_trainer(cfg: JobConfig, train_loop_config: dict):
     """The TorchTrainer of one run: fixed or elastic (min..max workers), restarted on failures.
 
@@ -86,6 +105,7 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
 
     c = cfg.cluster
     preemption = replace_rays_watcher()  # Ray's own logs an ERROR line at every group start
+    set_health_check_interval(c.health_check_interval_s)
     lo, hi = c.world_sizes
     elastic = c.min_workers is not None
     resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}

@@ -665,3 +665,22 @@ def test_the_grow_the_controller_drains_for_is_the_settled_size(monkeypatch):
     view.before_controller_execute_resize_decision(grow)
     assert grow.num_workers == 3
     assert view.grow.calls == ["Ray is resizing the group to 3 workers"]
+
+
+def test_the_health_check_interval_is_ours_unless_the_user_set_it(monkeypatch):
+    from cluster import ray_launch
+
+    monkeypatch.delenv(ray_launch.HEALTH_CHECK_ENV, raising=False)
+    monkeypatch.delenv(ray_launch.HEALTH_CHECK_OURS, raising=False)
+    assert ray_launch.set_health_check_interval(1.0) == "1"
+    assert ray_launch.set_health_check_interval(0.5) == "0.5"  # ours: the next job's config
+    # A child of this process inherits both: it applies its own config too.
+    child = "from cluster.ray_launch import set_health_check_interval as s; print(s(0.25))"
+    run = subprocess.run(
+        [sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert run.stdout.strip() == "0.25", run.stderr[-2000:]
+    monkeypatch.setenv(ray_launch.HEALTH_CHECK_ENV, "3")  # the user's own setting wins,
+    assert ray_launch.set_health_check_interval(1.0) == "3"  # even over an inherited marker
+    monkeypatch.delenv(ray_launch.HEALTH_CHECK_OURS)
+    assert ray_launch.set_health_check_interval(1.0) == "3"
