@@ -115,10 +115,6 @@ class ClusterConfig:
     crash's recovery (2.3 s here with spares). Each poll is a call to every worker: at a
     thousand workers, 1 s means a thousand calls a second on the controller. The environment
     variable, when you set it, wins."""
-    grow_settle_s: float = 5.0
-    """Before Ray grows a running elastic group, wait up to this long for more nodes (nodes of
-    one scale-up come seconds apart) and grow onto all of them at once, up to max_workers: one
-    restart instead of one per node. The group trains on meanwhile. 0: grow at once."""
     spare_workers: Optional[bool] = None
     """After each group's first step, every worker has its node start a spare worker process,
     which imports torch, Ray Train and MLflow while it waits: a restarted group starts in the
@@ -189,11 +185,6 @@ class ClusterConfig:
             self.health_check_interval_s,
             "a positive number of seconds",
         )
-        settle = self.grow_settle_s
-        if not (math.isfinite(settle) and settle >= 0):
-            fail(
-                "cluster.grow_settle_s", settle, "0 (grow at once) or a positive number of seconds"
-            )
 
     @property
     def elastic(self) -> bool:
