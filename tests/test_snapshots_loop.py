@@ -137,18 +137,28 @@ def test_snapshots_as_often_as_they_hide_keep_the_newest_two(cfg, uninterrupted,
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
-def test_incomplete_snapshots_fall_back_to_the_durable_checkpoint_and_say_so(cfg, tmp_path):
-    cfg.train.checkpoint_every = 4  # durable: step 4; snapshots: steps 2 and 6
+def resume_after_a_crash_at_7(cfg, tmp_path, damage, train=_train, *args):
+    """Two ranks with a durable checkpoint at step 4 and snapshots at steps 2 and 6 crash before
+    step 8; `damage(snaps)` runs between; the group that resumes: its per-rank results."""
+    cfg.train.checkpoint_every = 4
     try:
         root, snaps = str(tmp_path / "ckpt"), str(tmp_path / "snapshots")
         cfg.train.snapshot_every = 2
         run_distributed(_train, 2, cfg, root, snaps, 7)
         fresh_ranks(2)
-        for info in list_checkpoints(snaps):  # a node lost with both copies of a shard
-            os.remove(os.path.join(info.path, data_file_name(1, 2)))
-        second = run_distributed(_train, 2, cfg, root, snaps, None)[0]
+        damage(snaps)
+        return root, snaps, run_distributed(train, 2, cfg, root, snaps, *args)
     finally:
         cfg.train.checkpoint_every = 50
+
+
+def test_incomplete_snapshots_fall_back_to_the_durable_checkpoint_and_say_so(cfg, tmp_path):
+    def lose_a_shard(snaps):  # a node lost with both copies of a shard
+        for info in list_checkpoints(snaps):
+            os.remove(os.path.join(info.path, data_file_name(1, 2)))
+
+    root, snaps, ranks = resume_after_a_crash_at_7(cfg, tmp_path, lose_a_shard, _train, None)
+    second = ranks[0]
     assert second["start"] == 4
     assert "snapshot of step 6 is incomplete" in second["printed"]
     assert (
@@ -160,15 +170,9 @@ def test_incomplete_snapshots_fall_back_to_the_durable_checkpoint_and_say_so(cfg
 
 
 def test_a_snapshot_one_rank_cannot_read_falls_back_on_every_rank_together(cfg, tmp_path):
-    cfg.train.checkpoint_every = 4  # durable: step 4; snapshots: steps 2 and 6
-    try:
-        root, snaps = str(tmp_path / "ckpt"), str(tmp_path / "snapshots")
-        cfg.train.snapshot_every = 2
-        run_distributed(_train, 2, cfg, root, snaps, 7)
-        fresh_ranks(2)
-        second = run_distributed(_train_losing_a_snapshot, 2, cfg, root, snaps)
-    finally:
-        cfg.train.checkpoint_every = 50
+    root, snaps, second = resume_after_a_crash_at_7(
+        cfg, tmp_path, lambda snaps: None, _train_losing_a_snapshot
+    )
     assert [r["start"] for r in second] == [4, 4]
     assert f"checkpoint {snaps}/step_000000006 is unusable: OSError: " in second[1]["printed"]
     assert "failed to load on some rank: falling back to an older one" in second[0]["printed"]
