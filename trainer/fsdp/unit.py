@@ -22,6 +22,7 @@ Storage invariants (checked by the accounting tests):
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -95,9 +96,14 @@ class FSDPUnit:
         self._grad_accum: list[Optional[torch.Tensor]] = [None] * len(flats)
         self._grads_seen: set[int] = set()
         self.pre_backward_done = False
+        # The hook lives on the tensor (in C++, where Python's collector cannot see it) and the
+        # unit holds the tensor: a hook that held the unit would keep the whole engine, shards
+        # included, alive forever. It holds the unit weakly; a unit already gone has no gradient
+        # to take.
+        me = weakref.ref(self)
         for i, full in enumerate(self._full):
             if full.requires_grad:
-                full.register_post_accumulate_grad_hook(lambda t, i=i: self._post_accumulate(i))
+                full.register_post_accumulate_grad_hook(lambda t, i=i: _post_accumulate(me, i))
 
     # ---- lifecycle -----------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -245,3 +251,9 @@ class FSDPUnit:
             self.acct.event("compute_end", "backward", self.name)
             if self.reshard_after_forward:
                 self.reshard()
+
+
+def _post_accumulate(unit: "weakref.ref[FSDPUnit]", i: int) -> None:
+    u = unit()
+    if u is not None:
+        u._post_accumulate(i)
