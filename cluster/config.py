@@ -359,7 +359,8 @@ def checked_config(
     if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
         from trainer.plan import check_fits  # noqa: PLC0415 -- torch: only when asked for
 
-        check_fits(cfg, cfg.cluster.world_sizes[0], int(cfg.cluster.device_memory_gb * 2**30))
+        memory = int(cfg.cluster.device_memory_gb * 2**30)
+        check_fits(cfg, cfg.cluster.world_sizes[0], memory, headroom=cfg.cluster.use_gpu)
     return cfg
 
 

@@ -7,9 +7,11 @@
 
 The arguments are the training job's Hydra overrides (conf/), plus two keys of the planner's own:
 device_memory_gb (GiB per device, default 80) and local_world_size (workers per node, the default
-HYBRID_SHARD group, default 8). An elastic job (cluster.min_workers/max_workers) is planned at both
-ends. Exit status 0 when the configured job fits at every world size it may have, 1 when not,
-2 for an invalid config.
+HYBRID_SHARD group, default 8). A plan fits when its peak fits in the device's memory less a GPU
+worker's headroom (the CUDA context, NCCL buffers and a fragmentation margin, trainer/plan/
+headroom.py), each a row of the table. An elastic job (cluster.min_workers/max_workers) is planned
+at both ends. Exit status 0 when the configured job fits at every world size it may have, 1 when
+not, 2 for an invalid config.
 
 The job is composed exactly as `python -m cluster.train` composes it (cluster/config.py); the
 planner itself is trainer/plan.

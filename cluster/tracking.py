@@ -327,7 +327,9 @@ def write_resolved_config(cfg: JobConfig, path: Path) -> str:
 def write_memory_plan(cfg: JobConfig, path: Path) -> Optional[str]:
     """trainer.plan's per-worker memory table, for the smallest world size (the most memory per
     worker) and the largest, against the memory the workers' devices have as far as this driver
-    can tell; None (said on the console) where it cannot tell or the planner is absent."""
+    can tell (GPU workers: less the CUDA context, NCCL buffers and fragmentation margin, rows of
+    the table; CPU workers: the host's whole memory); None (said on the console) where it cannot
+    tell or the planner is absent."""
     try:
         from trainer.plan import plan  # noqa: PLC0415 -- torch costs seconds to import
     except ImportError as e:
@@ -341,7 +343,9 @@ def write_memory_plan(cfg: JobConfig, path: Path) -> Optional[str]:
     # A local Ray puts every worker on this one node; on a cluster the planner's default applies.
     per_node = {"local_world_size": sizes[-1]} if ray_address(cfg.cluster) is None else {}
     try:
-        tables = [plan(cfg, n, memory, **per_node).table() for n in sizes]
+        tables = [
+            plan(cfg, n, memory, **per_node, headroom=cfg.cluster.use_gpu).table() for n in sizes
+        ]
     except Exception as e:  # the plan is a prediction: it must never stop the training it describes
         print(f"memory plan: not logged ({type(e).__name__}: {e})", flush=True)
         return None

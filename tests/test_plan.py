@@ -18,6 +18,9 @@
   at the wait. That is why the plan reads up to ~10% low on the mid-size model at world size 2
   (by hand it measured within 3% at world size 1, where nothing is communicated).
 - An 8B job that cannot fit on 8 x 80 GiB fails in seconds, with the breakdown and what would fit.
+- A plan fits in the device's memory less a CUDA worker's headroom (the CUDA context, NCCL's
+  buffers per communicator build_mesh gives a rank, a fragmentation margin), each term as
+  trainer/plan/headroom.py documents it; headroom=False plans against the whole device.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ import dataclasses
 import gc
 import resource
 import time
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from cluster.config import JobConfig
+from cluster import tracking
+from cluster.config import ClusterConfig, JobConfig
 from cluster.plan import main as plan_main
 from tests.dist_utils import run_distributed
 from trainer.config import (
@@ -46,8 +52,18 @@ from trainer.config import (
 )
 from trainer.data import rank_range
 from trainer.fsdp import build_mesh, parallelize
+from trainer.fsdp import mesh as fsdp_mesh
 from trainer.model import build_model, count_params, initializer, loss_sum
-from trainer.plan import check_fits, plan, profile, recommend, zero_stage_bytes
+from trainer.plan import (
+    Headroom,
+    check_fits,
+    format_recommendation,
+    nccl_communicators,
+    plan,
+    profile,
+    recommend,
+    zero_stage_bytes,
+)
 
 GiB = 2**30
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -338,6 +354,7 @@ def test_8b_that_cannot_fit_on_8_gpus_fails_fast_with_the_breakdown():
         "activations: blocks",
         "activations: embedding, logits, loss",
         "DOES NOT FIT",
+        "usable for tensors",
     ):
         assert row in msg, row
     assert "recommended: FULL_SHARD with activation checkpointing" in msg
@@ -413,3 +430,146 @@ def test_snapshots_cost_host_memory_five_shard_states_per_worker_and_the_plan_sa
     off = plan(dataclasses.replace(cfg, train=TrainConfig(snapshot_every=0)), 64, 80 * GiB)
     assert off.snapshot_host == 0 and "in-memory snapshots" not in off.table()
     assert off.total == on.total  # on the host, never on the device
+
+
+# ----------------------------------------------------------------------------- headroom
+
+
+def _mesh_groups(monkeypatch, strategy: str, world: int, local: int, hybrid: int = 0) -> int:
+    """Distinct groups of more than one rank that build_mesh gives rank 0, the world group
+    counted as the loop uses it (its loss all-reduce): with stand-ins for torch.distributed, so
+    the engine's own mesh code decides which group is the world's and which its own."""
+    fake = types.SimpleNamespace(
+        new_group=lambda ranks: tuple(ranks), group=types.SimpleNamespace(WORLD="WORLD")
+    )
+    monkeypatch.setattr(fsdp_mesh, "dist", fake)
+    sh = ShardingConfig(strategy=strategy, hybrid_shard_group_size=hybrid)
+    m = build_mesh(sh, 0, world, local_world_size=local)
+    groups = {m.shard_group, m.replicate_group, "WORLD" if world > 1 else None} - {None}
+    return len(groups)
+
+
+@pytest.mark.parametrize(
+    "strategy, world, local, hybrid, expected",
+    [
+        ("FULL_SHARD", 1, 1, 0, 0),
+        ("SHARD_GRAD_OP", 1, 1, 0, 0),
+        ("NO_SHARD", 1, 1, 0, 0),
+        ("HYBRID_SHARD", 1, 1, 0, 0),
+        ("FULL_SHARD", 2, 2, 0, 1),
+        ("FULL_SHARD", 64, 8, 0, 1),
+        ("SHARD_GRAD_OP", 64, 8, 0, 1),
+        ("NO_SHARD", 64, 8, 0, 1),
+        ("HYBRID_SHARD", 64, 8, 0, 3),  # 8 per node x 8 nodes: world, shard and replicate groups
+        ("HYBRID_SHARD", 4, 2, 0, 3),  # 2 groups of 2
+        ("HYBRID_SHARD", 8, 8, 0, 1),  # one node: the shard group is the world
+        ("HYBRID_SHARD", 8, 8, 1, 1),  # groups of 1: the replicate group is the world
+        ("HYBRID_SHARD", 8, 8, 4, 3),
+    ],
+)
+def test_nccl_communicators_are_the_groups_build_mesh_gives_a_rank(
+    monkeypatch, strategy, world, local, hybrid, expected
+):
+    cfg = job(global_batch=64, strategy=strategy, hybrid_shard_group_size=hybrid)
+    p = plan(cfg, world, BIG, local_world_size=local)
+    assert nccl_communicators(world, p.shard_size, p.replicate_size) == expected
+    assert p.headroom.nccl_communicators == expected
+    assert p.headroom.nccl_buffers == expected * 3 * GiB // 4  # 0.75 GiB per communicator
+    assert _mesh_groups(monkeypatch, strategy, world, local, hybrid) == expected
+
+
+def test_headroom_is_the_cuda_context_nccl_buffers_and_10_percent_of_the_peak():
+    cfg = dataclasses.replace(EIGHT_B, sharding=ShardingConfig(param_dtype="bfloat16"))
+    p = plan(cfg, 64, 80 * GiB)  # FULL_SHARD: one communicator, a 7.6 GiB peak
+    h = p.headroom
+    assert h.cuda_context == 1 * GiB
+    assert (h.nccl_communicators, h.nccl_buffers) == (1, 3 * GiB // 4)
+    assert h.fragmentation == round(0.10 * p.total) > GiB // 2
+    assert h.total == h.cuda_context + h.nccl_buffers + h.fragmentation
+    assert p.usable == 80 * GiB - h.total
+    small = plan(job(), 1, BIG)  # a tiny step: the margin's floor, no collectives
+    assert small.headroom == Headroom(1 * GiB, 0, 0, GiB // 2)
+
+
+def test_fits_flips_exactly_at_the_memory_usable_for_tensors():
+    cfg = job(global_batch=8, strategy="HYBRID_SHARD")
+    p = plan(cfg, 4, BIG, local_world_size=2)
+    need = p.total + p.headroom.total
+    at = plan(cfg, 4, need, local_world_size=2)
+    below = plan(cfg, 4, need - 1, local_world_size=2)
+    assert at.total == below.total == p.total  # the step's peak does not depend on the device
+    assert at.fits and at.usable == p.total
+    assert not below.fits
+    # a device just above the peak: enough for the tensors alone, not for the headroom
+    assert plan(cfg, 4, p.total + 1, local_world_size=2, headroom=False).fits
+    assert not plan(cfg, 4, p.total + 1, local_world_size=2).fits
+
+
+def test_headroom_none_reproduces_the_fit_against_the_whole_device():
+    assert Headroom.none() == Headroom(0, 0, 0, 0) and Headroom.none().total == 0
+    cfg = dataclasses.replace(EIGHT_B, sharding=ShardingConfig(param_dtype="bfloat16"))
+    on = plan(cfg, 64, 80 * GiB)
+    off = plan(cfg, 64, 80 * GiB, headroom=False)
+    assert off.headroom == Headroom.none() and off.usable == 80 * GiB
+    assert off.total == on.total  # the allocator's peak either way
+    for device in (on.total - 1, on.total, on.total + 1, on.total + on.headroom.total):
+        p = plan(cfg, 64, device, headroom=False)
+        assert p.fits == (p.total <= device), device
+    assert "usable for tensors" not in off.table()
+    assert f"of 80.00 GiB: fits ({(80 * GiB - off.total) / GiB:.2f} GiB free)" in off.table()
+
+
+def test_the_table_shows_each_reserved_term_and_the_verdict_against_what_is_left():
+    cfg = dataclasses.replace(
+        EIGHT_B, sharding=ShardingConfig(strategy="HYBRID_SHARD", param_dtype="bfloat16")
+    )
+    p = plan(cfg, 64, 80 * GiB)
+    lines = p.table().splitlines()
+
+    def row(label: str) -> str:
+        (line,) = [x for x in lines if x.strip().startswith(label)]
+        return line
+
+    h = p.headroom
+    assert row("device memory").split()[-1] == "80.00"
+    assert row("- CUDA context and kernels").split()[-1] == "1.00"
+    assert row("- NCCL buffers (3 communicators)").split()[-1] == f"{h.nccl_buffers / GiB:.2f}"
+    fragmentation = row("- allocator fragmentation margin (10% of peak)")
+    assert fragmentation.split()[-1] == f"{h.fragmentation / GiB:.2f}"
+    usable = row("= usable for tensors")
+    assert f"{p.usable / GiB:.2f}   fits ({(p.usable - p.total) / GiB:.2f} GiB free)" in usable
+    tight = plan(cfg, 64, p.total + GiB)  # the whole device would fit, the usable part does not
+    short = (tight.total - tight.usable) / GiB
+    assert f"DOES NOT FIT (short by {short:.2f} GiB)" in tight.table()
+    small = plan(job(), 1, 80 * GiB).table()
+    assert "NCCL buffers (0 communicators)" in small
+    assert "allocator fragmentation margin (floor 0.5 GiB)" in small
+
+
+def test_recommend_and_check_fits_use_the_headroom_and_can_turn_it_off():
+    cfg = dataclasses.replace(EIGHT_B, sharding=ShardingConfig(param_dtype="bfloat16"))
+    p = plan(cfg, 64, BIG)
+    device = p.total + 1  # the configured job fits the whole device, not what is usable
+    assert check_fits(cfg, 64, device, headroom=False).total == p.total
+    with pytest.raises(ConfigError, match="usable for tensors of the device's"):
+        check_fits(cfg, 64, device)
+    options = recommend(cfg, 64, 80 * GiB)
+    assert options and all(o.fits and o.total <= o.usable < 80 * GiB for o in options)
+    assert all(o.headroom == Headroom.none() for o in recommend(cfg, 64, 80 * GiB, headroom=False))
+    assert "GiB usable" in format_recommendation(options, plan(cfg, 64, 80 * GiB))
+
+
+@pytest.mark.parametrize("use_gpu", [True, False])
+def test_the_logged_memory_plan_reserves_headroom_for_gpu_workers_only(
+    monkeypatch, tmp_path, use_gpu
+):
+    cfg = dataclasses.replace(job(), cluster=ClusterConfig(num_workers=2, use_gpu=use_gpu))
+    monkeypatch.setattr(tracking, "device_memory", lambda cfg: (80 * GiB, "a test's 80 GiB"))
+    text = Path(tracking.write_memory_plan(cfg, tmp_path / "memory_plan.txt")).read_text()
+    for label in (
+        "CUDA context and kernels",
+        "NCCL buffers (1 communicator)",
+        "usable for tensors",
+    ):
+        assert (label in text) == use_gpu, label
+    assert "fits" in text

@@ -10,10 +10,13 @@
 Exact state terms from the engine wrapped on the meta device (layout.py), activations measured by
 tracing one block and the root on fake tensors (activations.py), the step's phases from the
 engine's schedule (timeline.py), the bytes on the wire from its accounting (traffic.py), the ZeRO
-paper's formulas for comparison (zero.py).
+paper's formulas for comparison (zero.py). A plan fits when its peak fits in the device's memory
+less what a CUDA worker cannot give to tensors: the CUDA context, NCCL's buffers and the
+allocator's fragmentation (headroom.py).
 """
 
 from .activations import ActivationProfile, profile
+from .headroom import Headroom, headroom_for, nccl_communicators
 from .layout import Layout, layout
 from .planner import MemoryPlan, candidates, check_fits, plan, recommend, rows_per_micro_batch
 from .report import format_recommendation
@@ -23,6 +26,7 @@ from .zero import zero_stage_bytes
 
 __all__ = [
     "ActivationProfile",
+    "Headroom",
     "Layout",
     "MemoryPlan",
     "Phase",
@@ -31,7 +35,9 @@ __all__ = [
     "candidates",
     "check_fits",
     "format_recommendation",
+    "headroom_for",
     "layout",
+    "nccl_communicators",
     "plan",
     "profile",
     "recommend",

@@ -5,10 +5,13 @@
     print(p.table())
     best = recommend(cfg, 64, 80 * 2**30)[0]     # fits, moves the fewest bytes
     check_fits(cfg, 8, 80 * 2**30)              # ConfigError with the breakdown if it cannot fit
+    plan(cfg, 8, 64 * 2**30, headroom=False)    # against the whole memory (CPU workers)
 
 The state terms are the engine's own (layout.py), activations are measured on fake tensors
 (activations.py), the step's phases follow the engine's schedule (timeline.py) and the bytes on
-the wire replay its accounting (traffic.py).
+the wire replay its accounting (traffic.py). A plan fits when its peak fits in the device's memory
+less the headroom a CUDA worker cannot give to tensors (headroom.py: the CUDA context, NCCL's
+buffers, the allocator's fragmentation); headroom=False plans against the whole memory.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from trainer.data import rank_range
 from trainer.fsdp.mesh import mesh_shape
 
 from .activations import profile
+from .headroom import Headroom, headroom_for
 from .layout import layout
-from .report import format_plan, format_recommendation
+from .report import format_plan, format_recommendation, usable_memory
 from .timeline import Phase, StepTimeline, step_timeline
 from .traffic import bytes_per_step
 
@@ -71,6 +75,8 @@ class MemoryPlan:
     bytes_moved: dict
     """Bytes this worker sends per step, by collective (all_gather, reduce_scatter, all_reduce)."""
     device_memory_bytes: int
+    headroom: Headroom
+    """What of device_memory_bytes is not for tensors (Headroom.none() with headroom=False)."""
 
     @property
     def model_state(self) -> int:
@@ -92,8 +98,13 @@ class MemoryPlan:
         return self.timeline.peak
 
     @property
+    def usable(self) -> int:
+        """Device memory for tensors: the device's less the headroom (negative if it is less)."""
+        return self.device_memory_bytes - self.headroom.total
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.device_memory_bytes
+        return self.total <= self.usable
 
     @property
     def total_bytes_moved(self) -> int:
@@ -130,10 +141,14 @@ def plan(
     device_memory_bytes: int,
     local_world_size: int = 8,
     rank: int = 0,
+    *,
+    headroom: bool = True,
 ) -> MemoryPlan:
     """Per-worker memory of `cfg` on `world_size` workers of `device_memory_bytes` each.
 
-    local_world_size is the number of workers per node (HYBRID_SHARD's default shard group)."""
+    local_world_size is the number of workers per node (HYBRID_SHARD's default shard group).
+    headroom: reserve a CUDA worker's context, NCCL buffers and fragmentation margin (headroom.py)
+    out of the device's memory; False for CPU workers, or to compare with the whole memory."""
     if world_size < 1:
         raise ConfigError(f"invalid config: world size {world_size}; valid: a positive integer")
     sh, model = cfg.sharding, cfg.model
@@ -143,6 +158,11 @@ def plan(
     acts = {ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac) for ac in (False, True)}
     timelines = {ac: step_timeline(lay, sh, a, micro) for ac, a in acts.items()}
     timeline = timelines[bool(sh.activation_checkpointing)]
+    reserved = (
+        headroom_for(world_size, lay.shard_size, lay.replicate_size, timeline.peak)
+        if headroom
+        else Headroom.none()
+    )
     return MemoryPlan(
         model=model.name,
         num_params=lay.num_params,
@@ -174,6 +194,7 @@ def plan(
         activations_with_checkpointing=_activation_peak(timelines[True]),
         bytes_moved=bytes_per_step(lay, sh, micro),
         device_memory_bytes=int(device_memory_bytes),
+        headroom=reserved,
     )
 
 
@@ -182,7 +203,12 @@ def _activation_peak(t: StepTimeline) -> int:
 
 
 def candidates(
-    cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
+    cfg: TrainerConfig,
+    world_size: int,
+    device_memory_bytes: int,
+    local_world_size: int = 8,
+    *,
+    headroom: bool = True,
 ) -> list[MemoryPlan]:
     """Every strategy x activation checkpointing (x, with micro-batches, sharded gradient
     accumulation) x optimizer offload at this world size, dtypes as configured."""
@@ -199,7 +225,7 @@ def candidates(
             offload=offload,
         )
         cand = dataclasses.replace(cfg, sharding=sharding)
-        out.append(plan(cand, world_size, device_memory_bytes, local_world_size))
+        out.append(plan(cand, world_size, device_memory_bytes, local_world_size, headroom=headroom))
     return out
 
 
@@ -221,16 +247,20 @@ def _strategies(
 
 
 def recommend(
-    cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
+    cfg: TrainerConfig,
+    world_size: int,
+    device_memory_bytes: int,
+    local_world_size: int = 8,
+    *,
+    headroom: bool = True,
 ) -> list[MemoryPlan]:
     """The options that fit, fewest bytes moved per step first; among equals, no recomputation
     (checkpointing off) first, then the least memory. Empty when nothing fits. Sharded gradient
     accumulation moves micro_batches x the reduce-scatter bytes, so it comes first only where
     keeping the unsharded gradients does not fit; offloading the optimizer (host memory, PCIe
     copies and a host optimizer step) comes after everything that fits on the device."""
-    fitting = [
-        p for p in candidates(cfg, world_size, device_memory_bytes, local_world_size) if p.fits
-    ]
+    options = candidates(cfg, world_size, device_memory_bytes, local_world_size, headroom=headroom)
+    fitting = [p for p in options if p.fits]
     return sorted(
         fitting,
         key=lambda p: (p.offload, p.total_bytes_moved, p.activation_checkpointing, p.total),
@@ -238,14 +268,19 @@ def recommend(
 
 
 def check_fits(
-    cfg: TrainerConfig, world_size: int, device_memory_bytes: int, local_world_size: int = 8
+    cfg: TrainerConfig,
+    world_size: int,
+    device_memory_bytes: int,
+    local_world_size: int = 8,
+    *,
+    headroom: bool = True,
 ) -> MemoryPlan:
     """The plan, or ConfigError with the breakdown and what would fit: call before workers start.
 
     With micro-batches whose unsharded gradients do not fit, the plan with sharded gradient
     accumulation is returned when that one fits (same gradients, more reduce-scatter traffic):
     the caller turns it on (trainer/loop.py does, and says so)."""
-    p = plan(cfg, world_size, device_memory_bytes, local_world_size)
+    p = plan(cfg, world_size, device_memory_bytes, local_world_size, headroom=headroom)
     if p.fits:
         return p
     if cfg.train.micro_batches > 1 and not cfg.sharding.sharded_grad_accumulation:
@@ -255,15 +290,15 @@ def check_fits(
             world_size,
             device_memory_bytes,
             local_world_size,
+            headroom=headroom,
         )
         if alt.fits:
             return alt
 
-    options = recommend(cfg, world_size, device_memory_bytes, local_world_size)
+    options = recommend(cfg, world_size, device_memory_bytes, local_world_size, headroom=headroom)
     raise ConfigError(
         f"invalid config: sharding.strategy={p.strategy} with sharding.activation_checkpointing="
         f"{p.activation_checkpointing} on {world_size} workers needs {p.total / GiB:.2f} GiB "
-        f"per worker, more than the device's {device_memory_bytes / GiB:.2f} GiB; valid: a "
-        "configuration that fits.\n\n"
+        f"per worker, more than {usable_memory(p)}; valid: a configuration that fits.\n\n"
         f"{p.table()}\n\n{format_recommendation(options, p)}"
     )

@@ -1,15 +1,21 @@
 """Human-readable plan and recommendation. Memory in GiB (2^30, as devices report it), or MiB for
-small models; bytes on the wire in GB (10^9, as link bandwidths are quoted), or MB."""
+small models; bytes on the wire in GB (10^9, as link bandwidths are quoted), or MB.
+
+Below the step's rows and its peak, the device's memory less the headroom (headroom.py) gives
+what is usable for tensors, and the verdict is against that; a plan without headroom
+(headroom=False) is judged against the whole device."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .headroom import FRAGMENTATION_FLOOR_BYTES, FRAGMENTATION_FRACTION
+
 if TYPE_CHECKING:
     from .planner import MemoryPlan
 
 GiB, MiB = 2**30, 2**20
-WIDTH = 40
+WIDTH = 48
 
 
 def format_plan(p: "MemoryPlan") -> str:
@@ -55,7 +61,16 @@ def format_plan(p: "MemoryPlan") -> str:
     ]
     lines += [f"  {label:{WIDTH}} {size(at):>10} {size(mx):>10}" for label, at, mx in rows]
     lines.append("  " + "-" * (WIDTH + 22))
-    lines.append(f"  {'peak, during ' + peak.name:{WIDTH}} {size(p.total):>10}   {_verdict(p)}")
+    if p.headroom.total:
+        lines.append(f"  {'peak, during ' + peak.name:{WIDTH}} {size(p.total):>10}")
+        lines.append("")
+        lines += [f"  {label:{WIDTH}} {size(n):>10}" for label, n in _usable_rows(p)]
+        lines[-1] += f"   {_verdict(p)}"
+    else:
+        of = f"of {_mem(p.device_memory_bytes)}: "
+        lines.append(
+            f"  {'peak, during ' + peak.name:{WIDTH}} {size(p.total):>10}   {of}{_verdict(p)}"
+        )
     lines.append("")
     if p.host_state:
         lines.append(
@@ -81,28 +96,70 @@ def format_plan(p: "MemoryPlan") -> str:
 
 
 def format_recommendation(options: list["MemoryPlan"], configured: "MemoryPlan") -> str:
+    """Each option's peak against the memory usable for tensors: the device's less that option's
+    headroom (its NCCL communicators and fragmentation margin differ)."""
     head = (
         f"On {configured.world_size} workers of {_mem(configured.device_memory_bytes)} "
         f"(params {configured.param_dtype}, reduce {configured.reduce_dtype}, "
         f"micro-batch {configured.rows} x {configured.seq_len}):"
     )
     if not options:
+        where = (
+            " in the memory usable for tensors (the device's less the CUDA context,\n  NCCL "
+            "buffers and fragmentation margin)"
+            if configured.headroom.total
+            else ""
+        )
         return (
-            f"{head}\n  nothing fits. Valid: more workers, sharding.param_dtype=bfloat16,\n"
+            f"{head}\n  nothing fits{where}. Valid: more workers, sharding.param_dtype=bfloat16,\n"
             "  sharding.reduce_dtype=bfloat16, fewer sequences per micro-batch (a larger\n"
             "  train.micro_batches) or a shorter data.seq_len."
         )
     first = options[0]
     lines = [
         head,
-        f"  recommended: {first.label()} ({_mem(first.total)} peak, "
+        f"  recommended: {first.label()} ({_peak_of(first)}, "
         f"{_wire(first.total_bytes_moved)} sent per step)",
     ]
     lines += [
-        f"  also fits:   {o.label()} ({_mem(o.total)}, {_wire(o.total_bytes_moved)})"
+        f"  also fits:   {o.label()} ({_peak_of(o)}, {_wire(o.total_bytes_moved)})"
         for o in options[1:]
     ]
     return "\n".join(lines)
+
+
+def usable_memory(p: "MemoryPlan") -> str:
+    """What the plan's peak must fit in, for an error message."""
+    if not p.headroom.total:
+        return f"the device's {_mem(p.device_memory_bytes)}"
+    return (
+        f"the {_mem(p.usable)} usable for tensors of the device's {_mem(p.device_memory_bytes)} "
+        f"(less {_mem(p.headroom.total)} for the CUDA context, NCCL buffers and fragmentation)"
+    )
+
+
+def _usable_rows(p: "MemoryPlan") -> list[tuple[str, int]]:
+    """The device's memory, each reserved term, and what is left for tensors."""
+    h = p.headroom
+    s = "" if h.nccl_communicators == 1 else "s"
+    rule = (
+        f"floor {FRAGMENTATION_FLOOR_BYTES / GiB:g} GiB"
+        if h.fragmentation_at_floor
+        else f"{FRAGMENTATION_FRACTION:.0%} of peak"
+    )
+    return [
+        ("device memory", p.device_memory_bytes),
+        ("- CUDA context and kernels", h.cuda_context),
+        (f"- NCCL buffers ({h.nccl_communicators} communicator{s})", h.nccl_buffers),
+        (f"- allocator fragmentation margin ({rule})", h.fragmentation),
+        ("= usable for tensors", p.usable),
+    ]
+
+
+def _peak_of(o: "MemoryPlan") -> str:
+    if not o.headroom.total:
+        return f"{_mem(o.total)} peak"
+    return f"{_mem(o.total)} peak of {_mem(o.usable)} usable"
 
 
 def _units(kinds: tuple) -> str:
@@ -127,7 +184,7 @@ def _wire(n: int) -> str:
 
 
 def _verdict(p: "MemoryPlan") -> str:
-    of = f"of {_mem(p.device_memory_bytes)}"
+    """The peak against the usable memory (the whole device without headroom)."""
     if p.fits:
-        return f"{of}: fits ({_mem(p.device_memory_bytes - p.total)} free)"
-    return f"{of}: DOES NOT FIT (short by {_mem(p.total - p.device_memory_bytes)})"
+        return f"fits ({_mem(p.usable - p.total)} free)"
+    return f"DOES NOT FIT (short by {_mem(p.total - p.usable)})"
