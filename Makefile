@@ -29,25 +29,20 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# One GPU, under 6 minutes: the GPU tests (NCCL at world size 1; world sizes 2-4 as threads on the
-# one device), then our engine against torch FSDP2 on 125m and 1b in bf16 (benchmarks/gpu_check.py:
-# tokens/s, MFU, peak memory against the planner, exposed communication; last line JSON).
+# One GPU, within 8 minutes: the staged check of benchmarks/gpu_stages.py (env, leak probe,
+# tests/gpu on CUDA, the threaded harness over every engine path, ours against torch FSDP2 on
+# 125m and 1b), each stage under its own time limit, its result file in gpu-check/ as soon as it
+# ends (summary.json last; exit 2 when the python has no CUDA). Needs only torch, numpy, pyarrow,
+# safetensors, tokenizers, transformers and pytest: on a bare GPU machine without make, run
+# `python3 -m benchmarks.gpu_check --out gpu-check` from the repository root (the README says).
 # $(PY) needs torch with CUDA: make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX=<cu128 URL above>.
-# A machine whose own python already has CUDA torch and no network to build the venv (the lent
-# GPU machines): `make gpu-check PY=python3` uses it as it is; PY given on the command line skips
-# the venv setup, so nothing is installed.
+# A machine whose own python already has CUDA torch (the lent GPU machines): `make gpu-check
+# PY=python3` uses it as it is; PY given on the command line skips the venv setup.
 GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,$(STAMP))
-CUDA_HINT := install the CUDA build (make setup TORCH_SPEC="torch==2.13.0" \
-	TORCH_INDEX=https://download.pytorch.org/whl/cu128) or name a python that has one \
-	(make gpu-check PY=python3)
+GPU_CHECK_OUT ?= gpu-check
 
 gpu-check: $(GPU_CHECK_DEPS)
-	@$(PY) -c "import sys, torch; ok = torch.cuda.is_available(); \
-		print(f'gpu-check: {sys.executable}: torch {torch.__version__}, ' \
-		      f'CUDA {torch.version.cuda}, GPU visible: {ok}'); sys.exit(0 if ok else 1)" \
-		|| { echo 'gpu-check: no usable CUDA torch in $(PY): $(CUDA_HINT)' >&2; exit 1; }
-	$(PY) -m pytest -q tests/gpu
-	$(PY) -m benchmarks.gpu_check
+	$(PY) -m benchmarks.gpu_check --out $(GPU_CHECK_OUT)
 
 # The house rules, kept by ruff (pyproject.toml): line length 100, import order, imports at the
 # top unless a comment says why. `make format` fixes what can be fixed.

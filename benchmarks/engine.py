@@ -501,6 +501,12 @@ def step_peak_allocated(c: Contestant, x, y, global_tokens: int, clip: float) ->
     """Peak of extra bytes the torch CPU allocator handed out (main thread) during one step."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         train_step(c, x, y, global_tokens, clip)
+    return allocation_high_water(prof)
+
+
+def allocation_high_water(prof: profile) -> int:
+    """The high-water of live bytes the torch allocator handed out while `prof` recorded
+    (profile_memory=True), counted from zero at its start: what existed before is not in it."""
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:

@@ -1,6 +1,7 @@
 """`make gpu-check`: our engine on one GPU against torch FSDP2, with the figures asked first.
 
-    python -m benchmarks.gpu_check                        # one CUDA GPU: 125m and 1b
+    python3 -m benchmarks.gpu_check --out gpu-check/      # the whole staged check (gpu_stages.py)
+    python -m benchmarks.gpu_check                        # these rows only: 125m and 1b
     python -m benchmarks.gpu_check --models 125m          # one of them
     python -m benchmarks.gpu_check --device cpu --quick   # the same code path: tiny model, gloo
 
@@ -14,8 +15,12 @@ weights and reductions, FULL_SHARD, without and with activation checkpointing:
 Each trains `warmup` untimed steps, then `steps` timed ones, every step bracketed by device
 synchronisations; figures are medians over the timed steps:
 - tokens/s and MFU (flops_per_token x tokens/s over the device's dense bf16 peak);
-- peak device memory (torch.cuda.max_memory_allocated from the build on) against the planner's
-  prediction for the same job (trainer.plan.plan(...).total with the device's memory);
+- peak memory from the build on, above what was allocated when the counter was reset (so a
+  row's peak is its own, whatever ran before: on CUDA torch.cuda.max_memory_allocated minus the
+  allocation at the reset, and the allocator's reserved peak beside it, which calibrates the
+  planner's fragmentation margin; on the CPU the high-water of the torch allocator's live bytes
+  from torch.profiler's memory events), against the planner's prediction for the same job
+  (trainer.plan.plan(...).total);
 - exposed communication: the engine's comm/exposed_ms (CUDA timing events around the compute
   stream's waits on collectives);
 - the step time of ours over FSDP2's (below 1: we are faster), and its inverse as a tokens/s ratio.
@@ -41,13 +46,17 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # the reference, here only
+from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.engine import allocation_high_water
+from benchmarks.gpu_stages import BUDGET_S, CUDA_HINT, run_all
 from trainer.config import (
     DataConfig,
     ModelConfig,
@@ -62,17 +71,12 @@ from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp.parallelize import apply_activation_checkpointing
 from trainer.model import build_model, flops_per_token, loss_sum
 from trainer.optim import build_optimizer, implementation, lr_at, set_lr
-from trainer.plan import plan
+from trainer.plan import MemoryPlan, plan
 
 GiB = 2**30
 SEED = 0
 LOSS_TOLERANCE = (
     1e-2  # bf16 first-step loss, ours vs FSDP2 (tests/fsdp/test_parity.py's bf16 bound)
-)
-CUDA_HINT = (
-    "needs torch with CUDA and a visible GPU; install the CUDA build with "
-    'make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128, '
-    "or run a python that has one: make gpu-check PY=python3 (or --device cpu --quick here)"
 )
 
 
@@ -103,10 +107,46 @@ class Measured:
     """Median over the timed steps."""
     first_loss: float
     """Mean token loss of the first (untimed) step: same weights and batch for every contestant."""
-    peak_bytes: Optional[int]
-    """torch.cuda.max_memory_allocated from the build on; None on the CPU."""
-    exposed_ms: Optional[float]
+    peak_bytes: Optional[int] = None
+    """Allocated-memory high-water from the build on, above what was allocated at its start."""
+    reserved_bytes: Optional[int] = None
+    """CUDA: the caching allocator's reserved high-water above its start (None on the CPU)."""
+    exposed_ms: Optional[float] = None
     """Median engine comm/exposed_ms; None for FSDP2 (it has no such figure)."""
+
+
+class MemoryWatch:
+    """A contestant's own memory: the high-water above what was allocated when it starts.
+
+    CUDA: max_memory_allocated after a reset, minus memory_allocated at that reset (a model left
+    behind by an earlier row, or anything else alive, is not counted), and the same for reserved.
+    CPU: the torch allocator's live-bytes high-water from torch.profiler's memory events."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak: Optional[int] = None
+        self.reserved: Optional[int] = None
+
+    def __enter__(self) -> "MemoryWatch":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            self._base_reserved = torch.cuda.memory_reserved(self.device)
+        else:
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.reserved = torch.cuda.max_memory_reserved(self.device) - self._base_reserved
+        else:
+            self._prof.__exit__(*exc)
+            if exc[0] is None:
+                self.peak = allocation_high_water(self._prof)
 
 
 # ---- the contestants -------------------------------------------------------------------------
@@ -212,6 +252,9 @@ def copy_init(state: dict[str, torch.Tensor]) -> Callable[[torch.nn.Module, str]
     return init
 
 
+CONTESTANTS = {"ours": Ours, "fsdp2": FSDP2}
+
+
 # ---- measuring -------------------------------------------------------------------------------
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -241,23 +284,25 @@ def measure(contestant, setup: Setup, optim: OptimConfig, x, y, device) -> Measu
     return Measured(
         step_ms=1000 * statistics.median(times),
         first_loss=first,
-        peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         exposed_ms=statistics.median(exposed) if exposed else None,
     )
 
 
 def contest(cls, setup: Setup, sharding: ShardingConfig, init, x, y, device) -> Measured:
-    """Build one contestant from nothing (the peak counts from here), train it, free it."""
+    """Build one contestant from nothing (the peak counts from here, above what is allocated
+    already), train it, free it: the engine frees a dropped model (tests/fsdp/test_no_leak.py),
+    so the next contestant starts from the same memory."""
     optim = OptimConfig()
     free(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    contestant = cls(model_config(setup.model), sharding, optim, device, init)
-    try:
-        return measure(contestant, setup, optim, x, y, device)
-    finally:
-        del contestant
-        free(device)
+    with MemoryWatch(device) as mem:
+        contestant = cls(model_config(setup.model), sharding, optim, device, init)
+        try:
+            m = measure(contestant, setup, optim, x, y, device)
+        finally:
+            del contestant
+    free(device)
+    m.peak_bytes, m.reserved_bytes = mem.peak, mem.reserved
+    return m
 
 
 def free(device: torch.device) -> None:
@@ -273,15 +318,15 @@ def fixed_batch(mcfg: ModelConfig, setup: Setup, device) -> tuple[torch.Tensor, 
     return toks[:, :-1].contiguous().to(device), toks[:, 1:].contiguous().to(device)
 
 
-def planned_peak(mcfg: ModelConfig, sharding: ShardingConfig, setup: Setup, memory: int) -> int:
-    """The planner's peak bytes for this very job on one worker."""
+def job_plan(mcfg: ModelConfig, sharding: ShardingConfig, setup: Setup, memory: int) -> MemoryPlan:
+    """The planner's plan for this very job on one worker (its CUDA headroom included)."""
     cfg = TrainerConfig(
         model=mcfg,
         sharding=sharding,
         train=TrainConfig(global_batch_size=setup.batch),
         data=DataConfig(seq_len=setup.seq_len),
     )
-    return plan(cfg, world_size=1, device_memory_bytes=memory).total
+    return plan(cfg, world_size=1, device_memory_bytes=memory)
 
 
 def device_memory(device: torch.device) -> int:
@@ -291,18 +336,23 @@ def device_memory(device: torch.device) -> int:
 
 
 # ---- one model, one setting ------------------------------------------------------------------
-def run(setup: Setup, checkpointing: bool, init, device) -> dict:
-    """Ours and FSDP2 on one model and setting: the row of the table, as a dict."""
+ORDERS = ("ours,fsdp2", "fsdp2,ours")
+
+
+def run(setup: Setup, checkpointing: bool, init, device, order: str = ORDERS[0]) -> dict:
+    """Ours and FSDP2 on one model and setting, in `order`: the row of the table, as a dict."""
     mcfg = model_config(setup.model)
     sharding = ShardingConfig(
         strategy="FULL_SHARD", param_dtype="bfloat16", activation_checkpointing=checkpointing
     )
     x, y = fixed_batch(mcfg, setup, device)
     name = f"{setup.model}_bf16" + ("_ac" if checkpointing else "")
-    ours = contest(Ours, setup, sharding, init, x, y, device)
-    report(name, "ours", ours)
-    ref = contest(FSDP2, setup, sharding, init, x, y, device)
-    report(name, "fsdp2", ref)
+    measured = {}
+    for who in order.split(","):
+        measured[who] = contest(CONTESTANTS[who], setup, sharding, init, x, y, device)
+        report(name, who, measured[who])
+    ours, ref = measured["ours"], measured["fsdp2"]
+    planned = job_plan(mcfg, sharding, setup, device_memory(device))
     tokens_per_s = x.numel() / (ours.step_ms / 1000)
     peak = peak_flops(device, "bfloat16")
     mfu = flops_per_token(mcfg, setup.seq_len) * tokens_per_s / peak if peak else None
@@ -321,8 +371,11 @@ def run(setup: Setup, checkpointing: bool, init, device) -> dict:
         step_time_ratio_vs_fsdp2=ours.step_ms / ref.step_ms,
         tokens_per_s_ratio_vs_fsdp2=ref.step_ms / ours.step_ms,
         peak_gib=gib(ours.peak_bytes),
-        planned_peak_gib=gib(planned_peak(mcfg, sharding, setup, device_memory(device))),
+        planned_peak_gib=gib(planned.total),
+        planned_fragmentation_gib=gib(planned.headroom.fragmentation),
         fsdp2_peak_gib=gib(ref.peak_bytes),
+        reserved_gib=gib(ours.reserved_bytes),
+        fsdp2_reserved_gib=gib(ref.reserved_bytes),
         exposed_comm_ms=ours.exposed_ms,
         loss=ours.first_loss,
         fsdp2_loss=ref.first_loss,
@@ -335,7 +388,7 @@ def gib(n: Optional[int]) -> Optional[float]:
 
 
 def report(name: str, who: str, m: Measured) -> None:
-    peak = "" if m.peak_bytes is None else f" | peak {m.peak_bytes / GiB:6.2f} GiB"
+    peak = "" if m.peak_bytes is None else f" | peak {m.peak_bytes / GiB:6.3f} GiB"
     print(
         f"{name:14s} {who:5s} | {m.step_ms:8.1f} ms/step | loss {m.first_loss:.4f}{peak}",
         flush=True,
@@ -353,6 +406,7 @@ COLUMNS = (
     ("peak GiB", "peak_gib", "{:>8.2f}"),
     ("plan GiB", "planned_peak_gib", "{:>8.2f}"),
     ("FSDP2 GiB", "fsdp2_peak_gib", "{:>9.2f}"),
+    ("reserved", "reserved_gib", "{:>8.2f}"),
     ("exposed ms", "exposed_comm_ms", "{:>10.2f}"),
     ("loss diff", "loss_rel_diff_vs_fsdp2", "{:>9.1e}"),
 )
@@ -395,7 +449,11 @@ def headline(rows: list[dict], device: torch.device, seconds: float) -> dict:
         out[key] = {r["run"]: r[key] for r in rows}
     out["peak_gib"] = {
         r["run"]: dict(
-            planned=r["planned_peak_gib"], measured=r["peak_gib"], fsdp2=r["fsdp2_peak_gib"]
+            planned=r["planned_peak_gib"],
+            measured=r["peak_gib"],
+            fsdp2=r["fsdp2_peak_gib"],
+            reserved=r["reserved_gib"],
+            planned_fragmentation=r["planned_fragmentation_gib"],
         )
         for r in rows
     }
@@ -446,16 +504,28 @@ def setups(args) -> tuple[Setup, ...]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="run the whole staged check (benchmarks/gpu_stages.py), its result files in OUT",
+    )
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="with --out: the whole run")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument(
         "--quick", action="store_true", help="the tiny model, a few steps (the CPU smoke test)"
     )
     p.add_argument("--models", default="125m,1b", help="of 125m,1b (ignored with --quick)")
+    p.add_argument("--order", choices=ORDERS, default=ORDERS[0], help="who runs first in a row")
+    p.add_argument(
+        "--rows-file", type=Path, help="rewrite this JSON file with the rows after each row"
+    )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.out is not None:
+        return run_all(args.out, tuple(m.model for m in setups(args)), args.budget_s)
     device = resolve_device(args.device)
     todo = setups(args)
     t0 = time.perf_counter()
@@ -466,7 +536,9 @@ def main(argv=None) -> int:
         for setup in todo:
             init = initial_state(model_config(setup.model))
             for checkpointing in (False, True):
-                rows.append(run(setup, checkpointing, init, device))
+                rows.append(run(setup, checkpointing, init, device, args.order))
+                if args.rows_file:  # a stage killed later keeps the rows done
+                    write_rows(args.rows_file, rows, device, time.perf_counter() - t0)
             del init
     finally:
         dist.destroy_process_group()
@@ -474,8 +546,19 @@ def main(argv=None) -> int:
     failed = problems(rows)
     for line in failed:
         print(f"FAILED {line}", flush=True)
-    print(json.dumps(headline(rows, device, time.perf_counter() - t0)), flush=True)
+    head = headline(rows, device, time.perf_counter() - t0)
+    if args.rows_file:
+        write_rows(args.rows_file, rows, device, head["elapsed_s"], failed)
+    print(json.dumps(head), flush=True)
     return 1 if failed else 0
+
+
+def write_rows(path: Path, rows: list, device, seconds: float, failed=None) -> None:
+    """The headline so far; `failed` (None until the end) says whether the run finished."""
+    out = headline(rows, device, seconds)
+    out["finished"] = failed is not None
+    out["failed"] = failed or []
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

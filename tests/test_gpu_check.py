@@ -8,21 +8,24 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ("tiny_bf16", "tiny_bf16_ac")
 
 
-def test_gpu_check_quick_run_on_cpu_ends_with_headline_json():
+def quick(order: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick"],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick"]
+        + ["--order", order],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -31,7 +34,17 @@ def test_gpu_check_quick_run_on_cpu_ends_with_headline_json():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
-    head = json.loads(lines[-1])
+    assert any(line.startswith("run ") for line in lines), "the table's header is missing"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def both_orders() -> dict:
+    return {order: quick(order) for order in gpu_check.ORDERS}
+
+
+def test_gpu_check_quick_run_on_cpu_ends_with_headline_json(both_orders):
+    head = both_orders["ours,fsdp2"]
     assert head["world_size"] == 1 and head["param_dtype"] == "bfloat16"
     assert set(head["tokens_per_s_ratio_vs_fsdp2"]) == set(RUNS)
     for run in RUNS:
@@ -42,7 +55,18 @@ def test_gpu_check_quick_run_on_cpu_ends_with_headline_json():
         assert head["exposed_comm_ms"][run] == 0.0  # world size 1: no collective is issued
         # same weights, batch and bf16 compute: the first losses agree
         assert head["loss_rel_diff_vs_fsdp2"][run] <= gpu_check.LOSS_TOLERANCE
-    assert any(line.startswith("run ") for line in lines), "the table's header is missing"
+
+
+def test_each_rows_peak_is_its_own_whoever_ran_first(both_orders):
+    """A contestant's peak counts from what was allocated when it started: run FSDP2 first or
+    ours first, each peak is the same (the leak made later rows carry earlier models)."""
+    first, second = (both_orders[o]["peak_gib"] for o in gpu_check.ORDERS)
+    for run in RUNS:
+        for who in ("measured", "fsdp2"):
+            a, b = first[run][who], second[run][who]
+            assert a > 0 and abs(a - b) <= 0.01 * a, (run, who, a, b)
+        # the watch saw the model itself (its fp32 state is most of the planned peak)
+        assert first[run]["measured"] > 0.5 * first[run]["planned"], first[run]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -57,3 +81,73 @@ def test_gpu_check_without_cuda_says_how_to_get_it():
 def test_gpu_check_names_the_valid_models():
     with pytest.raises(SystemExit, match="valid are 125m, 1b"):
         gpu_check.setups(gpu_check.parse_args(["--models", "8b"]))
+
+
+# ---- the staged run (benchmarks/gpu_stages.py) -------------------------------------------------
+def fake_stages(hang_limit_s: float):
+    """A quick stage, one that hangs (killed at its limit), and one after it."""
+    quick_ok = ("timeit", "-n", "1", "-r", "1", "pass")
+    hang = ("timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)")
+    return lambda models: [
+        gpu_stages.Stage(1, "first", 30, quick_ok),
+        gpu_stages.Stage(2, "hangs", hang_limit_s, hang),
+        gpu_stages.Stage(3, "after", 30, quick_ok),
+    ]
+
+
+def test_a_hanging_stage_is_killed_at_its_limit_and_the_rest_still_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_stages, "stages", fake_stages(1.0))
+    rc = gpu_stages.run_all(tmp_path, ("125m",), budget_s=120)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 1 and summary["status"] == "failed"
+    by = {s["name"]: s for s in summary["stages"]}
+    assert [by[n]["status"] for n in ("first", "hangs", "after")] == ["passed", "timeout", "passed"]
+    assert by["hangs"]["seconds"] < 10 and "killed after 1 s" in by["hangs"]["detail"]
+    assert (tmp_path / "02_hangs.log").read_text().startswith("$ ")  # its log stays
+
+
+def test_a_stage_with_too_little_budget_left_is_skipped_not_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_stages, "stages", fake_stages(2.0))
+    budget = gpu_stages.MIN_STAGE_S + 1.5  # the hang eats what the last stage would need
+    gpu_stages.run_all(tmp_path, ("125m",), budget_s=budget)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["passed", "timeout", "skipped"]
+    assert "skipped" in (tmp_path / "summary.txt").read_text()
+
+
+def test_the_stages_are_the_ones_the_issue_lists_in_order_within_the_budget():
+    names = [s.name for s in gpu_stages.stages(("125m", "1b"))]
+    assert names == ["env", "leak", "tests", "threaded", "bench_125m", "bench_1b"]
+    assert gpu_stages.BUDGET_S <= 8 * 60
+
+
+def test_the_leak_stage_builds_steps_and_drops_every_contestant(monkeypatch):
+    """The leak stage's code path on the CPU (its figures need CUDA's allocator): each
+    contestant builds, steps and is dropped; and a contestant that is kept alive is caught."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        cpu = torch.device("cpu")
+        built = gpu_stages.leak_contestants(gpu_check, cpu, "tiny", batch=1, seq_len=8)
+        alive = []
+        live_models = lambda: 20 * gpu_stages.LEAK_SLACK * len(alive)  # a stand-in allocator
+        for label, build in built:
+
+            def tracked(build=build):
+                c, setup = build()
+                alive.append(weakref.ref(c))
+                return c, setup
+
+            row = gpu_stages.probe(label, tracked, cpu, lambda: live_models())
+            assert row["contestant"] == label and row["held_while_alive_mib"] > 0
+            alive = [r for r in alive if r() is not None]
+            assert alive == [], f"{label} outlived its last reference"
+        kept = []
+        row = gpu_stages.probe(
+            "kept",
+            lambda: kept.append(built[0][1]()) or kept[0],
+            cpu,
+            lambda: 20 * gpu_stages.LEAK_SLACK * len(kept),
+        )
+        assert row["freed"] is False
+    finally:
+        dist.destroy_process_group()

@@ -72,4 +72,3 @@ def test_engines_of_every_rank_are_freed_at_world_size_2():
     nothing in flight keeps a rank's engine alive either."""
     results = run_threaded(_build_train_release, 2, dict(strategy="FULL_SHARD"))
     assert results == [(False, False), (False, False)]
-

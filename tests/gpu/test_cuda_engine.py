@@ -30,7 +30,10 @@ def nccl():
 
 
 def _train(cfg: ShardingConfig, steps=3, model=None, batch=8, seq=512):
+    """(losses, peak bytes above what was allocated at the start: this run's own)."""
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     mcfg = model or model_config("125m", n_layers=4)
     fsdp = parallelize(
         build_model(mcfg, device="meta"), cfg, build_mesh(cfg, 0, 1), "cuda", init_fn=initializer(0)
@@ -47,7 +50,7 @@ def _train(cfg: ShardingConfig, steps=3, model=None, batch=8, seq=512):
         fsdp.zero_grad()
         losses.append(float(s) / toks[:, 1:].numel())
     torch.cuda.synchronize()
-    return losses, torch.cuda.max_memory_allocated()
+    return losses, torch.cuda.max_memory_allocated() - base
 
 
 def test_bf16_full_shard_trains_on_cuda_with_nccl(nccl):
