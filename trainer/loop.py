@@ -49,7 +49,7 @@ from trainer.fsdp.state import load_params
 from trainer.hf import HFWeights, resolve_model
 from trainer.metrics import MetricsLogger, NullLogger, step_metrics
 from trainer.model import build_model, flops_per_token, initializer, loss_sum
-from trainer.optim import build_optimizer, lr_at, set_lr
+from trainer.optim import build_optimizer, guarded_step, lr_at, set_lr
 
 
 @dataclass
@@ -187,12 +187,14 @@ class Trainer:
         )
 
     def _check_device_memory(self) -> None:
-        """Fail before allocating, with the planner's breakdown, if the job cannot fit."""
+        """Fail before allocating, with the planner's breakdown, if the job cannot fit: the step's
+        peak against the device's memory less the planner's headroom (the CUDA context, NCCL
+        buffers and fragmentation margin, trainer/plan/headroom.py)."""
         from trainer.plan import check_fits  # noqa: PLC0415 -- the planner's tracing: CUDA only
 
         torch.cuda.set_device(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        p = check_fits(self.cfg, self.world, total, self.ctx.local_world_size)
+        p = check_fits(self.cfg, self.world, total, self.ctx.local_world_size, headroom=True)
         if p.sharded_grad_accumulation and not self.cfg.sharding.sharded_grad_accumulation:
             self.print0(
                 f"memory: {self.cfg.train.micro_batches} micro-batches of unsharded gradients do "
@@ -285,21 +287,11 @@ class Trainer:
         if found_inf:  # fp16 overflow on any rank: every rank skips this step, the scale drops
             bad = torch.zeros_like(bad)  # the scaler's business, not a divergence
         else:
-            self.guarded_optimizer_step(bad)
+            guarded_step(self.optimizer, bad)
         self.scaler.update(found_inf)
         self.model.zero_grad()
         self.step += 1
         return loss_total / self.global_tokens, norm, bad
-
-    def guarded_optimizer_step(self, bad: torch.Tensor) -> None:
-        """AdamW's step unless `bad`. The fused (CUDA) AdamW takes the flag as its found_inf and
-        skips on the device, step count included, so the host never waits; otherwise the flag is
-        read here (free on a CPU; with the optimizer offloaded the host steps anyway)."""
-        if self.optimizer.defaults.get("fused"):
-            self.optimizer.found_inf = bad.to(torch.float32)
-            self.optimizer.step()
-        elif not bool(bad):
-            self.optimizer.step()
 
     def eval_due(self) -> bool:
         every = self.cfg.train.eval_every

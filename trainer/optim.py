@@ -49,3 +49,15 @@ def lr_at(cfg: OptimConfig, total_steps: int, step: int) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """AdamW's step unless `bad` (a device scalar: the loss or the norm is not finite). The fused
+    (CUDA) AdamW takes the flag as its found_inf and skips on the device, step count included, so
+    the host never waits; otherwise the flag is read here (free on a CPU; with the optimizer
+    offloaded the host steps anyway)."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = bad.to(torch.float32)
+        optimizer.step()
+    elif not bool(bad):
+        optimizer.step()

@@ -174,6 +174,15 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def update_error(params: dict, ref: dict, p0: dict) -> dict[str, float]:
+    """Per parameter: |update - reference update| / |reference update| after the run. 1.0 for a
+    parameter that did not move (lr=0, a unit whose update was lost)."""
+    return {
+        k: float(((params[k] - p0[k]) - (ref[k] - p0[k])).norm() / (ref[k] - p0[k]).norm())
+        for k in ref
+    }
+
+
 def fsdp2_run(rank: int, world: int, steps: int, global_batch: int, param_dtype: str):
     """torch FSDP2 as the peer reference (tests only): same model, data split and optimizer."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist_utils import fresh_ranks, run_distributed
-from tests.fsdp.scaffold import engine_run, fsdp2_run, initial_parameters, reference
+from tests.fsdp.scaffold import engine_run, fsdp2_run, initial_parameters, reference, update_error
 from trainer.config import ShardingConfig, model_config
 from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
@@ -46,15 +46,6 @@ def _low_precision_runs(rank, world, steps, overflow_rank):
         out[name] = dict(params=r["params"], skipped=r["skipped"], scale=r["scale"])
     out["fsdp2_bf16"] = fsdp2_run(rank, world, steps, BATCH, "bfloat16")
     return out
-
-
-def update_error(params, ref, p0) -> dict[str, float]:
-    """Per parameter: |update - reference update| / |reference update| after the run. 1.0 for a
-    parameter that did not move (lr=0, a unit whose update was lost)."""
-    return {
-        k: float(((params[k] - p0[k]) - (ref[k] - p0[k])).norm() / (ref[k] - p0[k]).norm())
-        for k in ref
-    }
 
 
 STEPS, BATCH, OVERFLOW_STEP = 8, 7, 3

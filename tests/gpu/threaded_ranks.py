@@ -1,6 +1,7 @@
 """N ranks on one device: N threads of this process joined by torch's threaded process group.
 
     results = run_threaded(train_tiny, 3, "cuda", steps, global_batch, dict(strategy="FULL_SHARD"))
+    run_threaded(train_tiny, 3, "cuda", steps, global_batch, fp16, overflow_at=(1, 2))  # keywords
 
 Why threads: NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and one H200 is the
 machine our GPU checks get. torch's threaded process group
@@ -47,19 +48,22 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 from torch.utils._pytree import tree_leaves
 
-from tests.fsdp.scaffold import CLIP, SEED, SEQ, WD, batch, optimizer, tiny
-from trainer.config import ShardingConfig
+from tests.fsdp.scaffold import CLIP, LR, SEED, SEQ, WD, batch, optimizer, tiny
+from trainer.config import OptimConfig, ShardingConfig
 from trainer.fsdp import build_mesh, parallelize
+from trainer.fsdp.accounting import COMM_OPS
+from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import full_gradients, full_parameters
 from trainer.model import build_model, initializer, loss_sum
+from trainer.optim import build_optimizer, guarded_step
 
 _LOCK = threading.Lock()  # one threaded world at a time: it replaces torch.distributed's world
 
 
-def run_threaded(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> list:
-    """fn(rank, world_size, *args) on `world_size` rank threads sharing one threaded process
-    group; returns the results ordered by rank. Raises with every failing rank's traceback, or
-    TimeoutError naming the ranks still running after `timeout` seconds."""
+def run_threaded(fn: Callable, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
+    """fn(rank, world_size, *args, **kwargs) on `world_size` rank threads sharing one threaded
+    process group; returns the results ordered by rank. Raises with every failing rank's
+    traceback, or TimeoutError naming the ranks still running after `timeout` seconds."""
     with _LOCK, _threaded_world():
         store = dist.HashStore()
         results: list = [None] * world_size
@@ -67,7 +71,7 @@ def run_threaded(fn: Callable, world_size: int, *args, timeout: float = 120.0) -
         threads = [
             threading.Thread(
                 target=_rank_main,
-                args=(fn, rank, world_size, store, args, results, errors),
+                args=(fn, rank, world_size, store, args, kwargs, results, errors),
                 name=f"rank{rank}",
                 daemon=True,  # a hung rank must not keep the test process alive
             )
@@ -86,11 +90,11 @@ def run_threaded(fn: Callable, world_size: int, *args, timeout: float = 120.0) -
     return results
 
 
-def _rank_main(fn, rank, world_size, store, args, results, errors) -> None:
+def _rank_main(fn, rank, world_size, store, args, kwargs, results, errors) -> None:
     try:
         dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
         torch.autograd.set_multithreading_enabled(False)  # this thread runs its own backward
-        results[rank] = fn(rank, world_size, *args)
+        results[rank] = fn(rank, world_size, *args, **kwargs)
     except BaseException as exc:  # the caller re-raises with this rank's traceback
         errors[rank] = traceback.format_exc()
         mtpg.ProcessLocalGroup.exception_handle(exc)  # other ranks leave their collectives
@@ -176,19 +180,35 @@ def rank_stream(device: torch.device):
 
 
 def train_tiny(
-    rank: int, world: int, device: str, steps: int, global_batch: int, sharding: dict
+    rank: int,
+    world: int,
+    device: str,
+    steps: int,
+    global_batch: int,
+    sharding: dict,
+    *,
+    micro_batches: int = 1,
+    lr: float = LR,
+    overflow_at: Optional[tuple[int, int]] = None,
 ) -> dict:
-    """The test model under our engine on this rank, stepped as trainer/loop.py steps it:
-    this rank's rows of each global batch, the token-loss sum over the global token count,
-    the global-norm clip, AdamW (the reference's: tests/fsdp/scaffold.py), zero_grad.
+    """The test model under our engine on this rank, stepped as trainer/loop.py's train_step
+    steps it: this rank's rows of each global batch in `micro_batches` (all but the last under
+    no_sync), each micro-batch's token-loss sum over the global token count, scaled by the
+    ShardedGradScaler (enabled in fp16), unscaled and checked on every rank, the global-norm
+    clip, AdamW built as the loop builds it (trainer/optim.py: fused on CUDA, foreach on the
+    host when sharding.offload=optimizer) with the reference's hyperparameters, the step skipped
+    on an overflow, the scale updated, zero_grad. overflow_at=(step, rank): that rank's loss is
+    multiplied by 2**30 in that step (as tests/fsdp/scaffold.py's engine_run), so its fp16
+    backward overflows there only.
 
     Returns, on the CPU: losses and grad norms per step (all-reduced), step-0 gradients and final
-    parameters (whole), and per step the bytes the engine moved and the ms it waited on them."""
+    parameters (whole), per step the bytes the engine moved (in all and by collective) and the ms
+    it waited on them, the steps skipped for an overflow, and what _final_state lists."""
     device = torch.device(device)
     cfg = ShardingConfig(**sharding)
     lo, hi = rank * global_batch // world, (rank + 1) * global_batch // world
     tokens = global_batch * SEQ
-    out = dict(losses=[], norms=[], comm_bytes=[], exposed_ms=[])
+    out = dict(losses=[], norms=[], comm_bytes=[], comm_by_op=[], exposed_ms=[], skipped=[])
     with rank_stream(device):
         fsdp = parallelize(
             build_model(tiny(), device="meta"),
@@ -197,26 +217,82 @@ def train_tiny(
             device,
             init_fn=initializer(SEED),
         )
-        opt = optimizer(fsdp.param_groups(WD))
+        opt = _loop_optimizer(fsdp, lr)
+        scaler = ShardedGradScaler(enabled=fsdp.param_dtype == torch.float16)
         for step in range(steps):
             x, y = (t[lo:hi].to(device) for t in batch(step, global_batch))
-            s, _ = loss_sum(fsdp(x), y)
-            (s / tokens).backward()
+            blow_up = 2.0**30 if overflow_at == (step, rank) else 1.0
+            total = _forward_backward(fsdp, scaler, x, y, micro_batches, tokens, blow_up)
+            found_inf = scaler.unscale_and_check(fsdp.grad_shards(), world, device)
             if step == 0:
                 out["grads0"] = _to_cpu(full_gradients(fsdp))
-            out["norms"].append(float(fsdp.clip_grad_norm_(CLIP)))
-            opt.step()
-            fsdp.zero_grad()
-            total = s.detach().float()
+            norm = fsdp.clip_grad_norm_(CLIP)
             if world > 1:
                 dist.all_reduce(total)
+            if found_inf:  # an fp16 overflow on any rank: every rank skips, the scale drops
+                out["skipped"].append(step)
+            else:
+                guarded_step(opt, ~(torch.isfinite(total) & torch.isfinite(norm)))
+            scaler.update(found_inf)
+            fsdp.zero_grad()
+            out["norms"].append(float(norm))
             out["losses"].append(float(total) / tokens)
-            m = fsdp.metrics()
+            m = fsdp.metrics(opt)
             out["comm_bytes"].append(m["comm/total_bytes"])
             out["exposed_ms"].append(m["comm/exposed_ms"])
-        out["params"] = _to_cpu(full_parameters(fsdp))
-        out["collective_streams"] = len(getattr(fsdp.comm, "streams", {}))
+            out["comm_by_op"].append({op: m[f"comm/{op}_bytes"] for op in COMM_OPS})
+        out.update(_final_state(fsdp, opt, scaler))
     return out
+
+
+def _forward_backward(fsdp, scaler, x, y, micro_batches: int, tokens: int, blow_up: float):
+    """Forward and backward of every micro-batch's token-loss sum (x blow_up) over the global
+    token count, scaled; returns the sum of the token losses (a device scalar)."""
+    total = torch.zeros((), device=x.device)
+    for k, (rows, w) in enumerate(_micro_batches(len(x), micro_batches)):
+        with fsdp.no_sync() if k < micro_batches - 1 else contextlib.nullcontext():
+            s, _ = loss_sum(fsdp(x[rows]), y[rows], w)
+            scaler.scale_loss(s * blow_up / tokens).backward()
+        total += s.detach()
+    return total
+
+
+def _final_state(fsdp, opt, scaler) -> dict:
+    """After the last step: the parameters (whole), the collective streams, the loss scale, the
+    padded size of each reduced flat parameter, whether each host master shard is pinned
+    (offload), the devices AdamW's state lives on, and the event trace (with sharding.trace)."""
+    return dict(
+        params=_to_cpu(full_parameters(fsdp)),
+        collective_streams=len(getattr(fsdp.comm, "streams", {})),
+        scale=scaler.scale,
+        reduced_numels=[f.padded_numel for f in fsdp.flats() if f.requires_grad],
+        host_master_pinned=[f.shard.is_pinned() for f in fsdp.flats() if f.host],
+        optim_state_on=sorted(
+            {v.device.type for st in opt.state.values() for v in st.values() if v.ndim}
+        ),
+        events=[(e.kind, e.op) for e in fsdp.acct.events],
+    )
+
+
+def _loop_optimizer(fsdp, lr: float) -> torch.optim.AdamW:
+    """AdamW as the loop builds it (trainer/optim.py: fused on CUDA, foreach on the host when the
+    optimizer is offloaded) with the reference's hyperparameters, read off tests/fsdp/scaffold.py's
+    `optimizer` so they have one home."""
+    d = optimizer([torch.zeros(1, requires_grad=True)], lr).defaults
+    (beta1, beta2), eps = d["betas"], d["eps"]
+    cfg = OptimConfig(lr=lr, weight_decay=WD, beta1=beta1, beta2=beta2, eps=eps)
+    return build_optimizer(fsdp, cfg)
+
+
+def _micro_batches(rows: int, n: int):
+    """(rows, weight) of each of this rank's n micro-batches, split as np.array_split splits (the
+    scaffold's engine_run): a rank with fewer rows than micro-batches runs zero-weight ones (every
+    rank must run as many forwards and backwards: their collectives pair up)."""
+    for part in torch.arange(rows).tensor_split(n):
+        if len(part):
+            yield slice(int(part[0]), int(part[-1]) + 1), 1.0
+        else:
+            yield slice(0, 1), 0.0
 
 
 def _to_cpu(tensors: dict) -> dict:
