@@ -87,28 +87,29 @@ output is one JSON object with the headline figures of every model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
-import socket
 import statistics
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._C._profiler import _EventType
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # the reference, here only
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.ranks import run_ranks
 from trainer.config import DType, ModelConfig, ShardingConfig, model_config
 from trainer.fsdp import FSDPModel, build_mesh, parallelize
-from trainer.model import build_model, count_params, initializer, loss_sum
+from trainer.model import build_model, count_params, initializer
 from trainer.optim import implementation
+from trainer.step import TorchPeer
+from trainer.step import train_step as train_step_recipe
 
 SEED = 1234
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
@@ -207,8 +208,7 @@ class Contestant:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     loss_scale: float  # multiplies the global-token-normalised loss (world size when averaging)
-    clip: Callable[[float], object]
-    zero_grad: Callable[[], None]
+    stepper: object  # what trainer.step.train_step steps: ours, or torch's behind TorchPeer
     held: Callable[[], list]  # tensors this contestant keeps between steps
     wait_from_trace: Optional[Callable] = None  # (forward, backward nodes) -> seconds waited
     fsdp: Optional[FSDPModel] = None
@@ -249,7 +249,7 @@ def build_ours(name: str, run: Run, rank: int) -> Contestant:
         shards = [t for f in fsdp.flats() for t in (f.shard, f.grad) if t is not None]
         return shards + optimizer_tensors(opt)
 
-    return Contestant(name, fsdp, opt, 1.0, fsdp.clip_grad_norm_, fsdp.zero_grad, held, fsdp=fsdp)
+    return Contestant(name, fsdp, opt, 1.0, fsdp, held, fsdp=fsdp)
 
 
 def fsdp2_units(model: torch.nn.Module) -> list[tuple[object, bool]]:
@@ -280,8 +280,7 @@ def build_fsdp2(run: Run, rank: int) -> Contestant:
         model,
         opt,
         float(run.world),
-        lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m),
-        lambda: opt.zero_grad(set_to_none=True),
+        TorchPeer(model, opt),  # zero_grad(set_to_none=True): FSDP2 frees its gradient shards
         held,
         wait_from_trace=synchronous_wait_s,
         comm_bytes_computed=fsdp2_comm_bytes(units, run.world, run.param_dtype),
@@ -303,8 +302,7 @@ def build_ddp(run: Run, rank: int) -> Contestant:
         model,
         opt,
         float(run.world),
-        lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m),
-        lambda: opt.zero_grad(set_to_none=False),  # the grads are views of DDP's buckets
+        TorchPeer(model, opt, set_to_none=False),  # the grads are views of DDP's buckets
         held,
         wait_from_trace=finalize_wait_s,
         comm_bytes_computed=ring_bytes("all_reduce", n * 4, run.world),
@@ -360,23 +358,33 @@ def batches(run: Run, rank: int, n: int) -> list:
 
 
 def train_step(c: Contestant, x, y, global_tokens: int, clip: float) -> tuple[float, float, float]:
-    """One training step as trainer/loop.py runs it: (forward s, backward s, optimizer s). The
-    ranges name forward and backward in a profiler trace (a few microseconds when none runs)."""
-    t0 = time.perf_counter()
-    with record_function(FORWARD):
-        s, _ = loss_sum(c.model(x), y)
-    t1 = time.perf_counter()
-    with record_function(BACKWARD):
-        (s * (c.loss_scale / global_tokens)).backward()
-    t2 = time.perf_counter()
-    if clip > 0:
-        c.clip(clip)
-    c.optimizer.step()
-    c.zero_grad()
-    t3 = time.perf_counter()
-    c.losses.append(float(s.detach()) / x.numel())
+    """One training step by the loop's own recipe (trainer/step.py): (forward s, backward s,
+    optimizer s, the last with the clip, the loss all-reduce and zero_grad). The ranges name
+    forward and backward in a profiler trace (a few microseconds when none runs)."""
+    seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    out = train_step_recipe(
+        c.stepper,
+        c.optimizer,
+        [(x, y, 1.0)],
+        global_tokens=global_tokens,
+        grad_clip=clip,
+        world=dist.get_world_size(),
+        grad_scale=c.loss_scale,
+        phase=lambda name: _timed(name, seconds),
+    )
+    c.losses.append(float(out.loss))
     c.steps_done += 1
-    return t1 - t0, t2 - t1, t3 - t2
+    return seconds["forward"], seconds["backward"], seconds["optimizer"]
+
+
+@contextlib.contextmanager
+def _timed(name: str, seconds: dict):
+    """Adds the phase's wall time to seconds[name]; forward and backward as profiler ranges."""
+    ranges = {"forward": FORWARD, "backward": BACKWARD}
+    t0 = time.perf_counter()
+    with record_function(ranges[name]) if name in ranges else contextlib.nullcontext():
+        yield
+    seconds[name] += time.perf_counter() - t0
 
 
 def engine_wait_s(c: Contestant) -> Optional[float]:
@@ -612,54 +620,18 @@ def rank_main(rank: int, run: Run) -> Optional[dict]:
     )
 
 
-def _entry(rank: int, port: int, run: Run, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(run.world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(run.world),
-    )
-    torch.set_num_threads(run.threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=run.world)
-        queue.put((rank, "ok", rank_main(rank, run)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, world: int, run: Run) -> Optional[dict]:
+    torch.set_num_threads(run.threads)  # the pool's processes start with 1
+    return rank_main(rank, run)
 
 
 def spawn(run: Run) -> dict:
-    """rank_main on run.world gloo ranks; rank 0's result (raises with a failed rank's trace)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, run, queue)) for r in range(run.world)]
-    for p in procs:
-        p.start()
-    result = None
+    """rank_main on run.world fresh gloo ranks (benchmarks/ranks.py, as the tests run theirs);
+    rank 0's result (raises with a failed rank's trace, naming the model)."""
     try:
-        for _ in range(run.world):
-            rank, status, value = queue.get(timeout=run.timeout)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} of model {run.name} failed:\n{value}")
-            if rank == 0:
-                result = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return result
+        return run_ranks(_rank, run.world, run, threads=run.threads, timeout=run.timeout)[0]
+    except RuntimeError as e:
+        raise RuntimeError(f"model {run.name}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- report

@@ -7,11 +7,12 @@
 
 For each model (125m: 32 x 2048 tokens a step, 1b: 8 x 2048), bf16 compute with fp32 master
 weights and reductions, FULL_SHARD, without and with activation checkpointing:
-- ours, built and stepped as trainer/loop.py does (parallelize, build_optimizer: fused AdamW on
-  CUDA, loss sum over the global token count, clip_grad_norm_, step, zero_grad);
+- ours, built as trainer/loop.py builds it (parallelize, build_optimizer: fused AdamW on CUDA)
+  and stepped by the loop's own recipe (trainer/step.py train_step);
 - torch FSDP2 on the same model, weights and batch: fully_shard units as torchtitan makes them
   (the embedding, each block, [norm, output] kept gathered after forward, then the root),
-  MixedPrecisionPolicy(bf16 params, fp32 reduce), the same AdamW and activation checkpointing.
+  MixedPrecisionPolicy(bf16 params, fp32 reduce), the same AdamW and activation checkpointing,
+  stepped by the same train_step (trainer.step.TorchPeer).
 Each trains `warmup` untimed steps, then `steps` timed ones, every step bracketed by device
 synchronisations; figures are medians over the timed steps:
 - tokens/s and MFU (flops_per_token x tokens/s over the device's dense bf16 peak);
@@ -69,9 +70,10 @@ from trainer.config import (
 from trainer.device import peak_flops
 from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp.parallelize import apply_activation_checkpointing
-from trainer.model import build_model, flops_per_token, loss_sum
+from trainer.model import build_model, flops_per_token
 from trainer.optim import build_optimizer, implementation, lr_at, set_lr
 from trainer.plan import MemoryPlan, plan
+from trainer.step import TorchPeer, train_step
 
 GiB = 2**30
 SEED = 0
@@ -169,12 +171,10 @@ class Ours:
         self.clip = optim.grad_clip
 
     def step(self, x: torch.Tensor, y: torch.Tensor, tokens: int) -> torch.Tensor:
-        s, _ = loss_sum(self.model(x), y)
-        (s / tokens).backward()
-        self.model.clip_grad_norm_(self.clip)
-        self.optimizer.step()
-        self.model.zero_grad()
-        return s.detach()
+        """trainer/step.py's step, as the loop runs it; the mean token loss (a device scalar)."""
+        return train_step(
+            self.model, self.optimizer, [(x, y, 1.0)], global_tokens=tokens, grad_clip=self.clip
+        ).loss
 
     def exposed_ms(self) -> Optional[float]:
         """This step's exposed communication (reading it waits for the step's last collective)."""
@@ -223,12 +223,11 @@ class FSDP2:
         self.clip = optim.grad_clip
 
     def step(self, x: torch.Tensor, y: torch.Tensor, tokens: int) -> torch.Tensor:
-        s, _ = loss_sum(self.model(x), y)
-        (s / tokens).backward()  # FSDP2 averages over ranks: at world size 1 the same gradient
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return s.detach()
+        """The same recipe (FSDP2 averages over ranks: at world size 1 the same gradient)."""
+        peer = TorchPeer(self.model, self.optimizer)
+        return train_step(
+            peer, self.optimizer, [(x, y, 1.0)], global_tokens=tokens, grad_clip=self.clip
+        ).loss
 
     def exposed_ms(self) -> Optional[float]:
         return None
@@ -275,7 +274,7 @@ def measure(contestant, setup: Setup, optim: OptimConfig, x, y, device) -> Measu
         sync(device)
         t1 = time.perf_counter()
         if i == 0:
-            first = float(loss) / tokens
+            first = float(loss)
         if i >= setup.warmup:
             times.append(t1 - t0)
             e = contestant.exposed_ms()

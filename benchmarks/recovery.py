@@ -1,4 +1,4 @@
-"""Recovery from a worker crash, with and without spare worker processes (cluster/spares.py).
+"""Recovery from a worker crash, with and without spare worker processes (elastic/spares.py).
 
 The real path: a 2-node local Ray (ray.cluster_utils.Cluster, 1 CPU each), the CLI
 (`python -m cluster.train`) training a tiny model on 2 workers with an in-memory snapshot every

@@ -4,9 +4,9 @@
     python -m benchmarks.snapshots --models tiny --steps 3 --reps 1
 
 The real path, end to end: a Ray cluster of two nodes on this machine (ray.cluster_utils, its own
-temp dir), a keeper actor on each (cluster/elastic/snapshots.py), and 2 gloo ranks (torch
+temp dir), a keeper actor on each (cluster/snapshots/keeper.py), and 2 gloo ranks (torch
 multiprocessing) connected to it, each training our FULL_SHARD engine (benchmarks.engine's
-models, batches and step) with trainer.checkpointing.Checkpointer writing snapshots to
+models, batches and step) with trainer.checkpoint.checkpointer.Checkpointer writing snapshots to
 keeper://: every file on its writer's node and the other one, two generations kept.
 
 Three modes per model, alternating inside every repetition (a noisy machine hits them alike):
@@ -43,8 +43,9 @@ import torch.multiprocessing as mp
 from ray.cluster_utils import Cluster
 
 from benchmarks.engine import MODELS, Run, batches, build_ours, train_step
-from cluster.elastic import snapshots
-from trainer.checkpointing import Checkpointer
+from cluster.snapshots import keeper_fs
+from cluster.snapshots import keepers as snapshots
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import TrainerConfig
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 
@@ -70,7 +71,7 @@ def rank_main(rank: int, a: Args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
     dist.init_process_group("gloo", rank=rank, world_size=a.world)
     ray.init(address=a.address, logging_level="ERROR", log_to_driver=False)
-    snapshots.register_keeper_scheme()
+    keeper_fs.register_keeper_scheme()
     out = {}
     for name in a.models:
         model = MODELS[name]

@@ -1,7 +1,8 @@
-"""The job's config on the driver: its schema, how Hydra composes it, checks, paths, the trip to
-the workers.
+"""The job's config: its schema, how Hydra composes it, the run folder's layout, the trip to the
+workers. The ground floor of cluster/: it imports nothing of cluster/, and every other module of
+cluster/ may import it.
 
-    cfg = checked_config(dictcfg, launch_dir)          # typed, validated, paths absolute
+    cfg = checked_config(dictcfg, launch_dir)          # cluster/preflight.py: typed, validated
     trainer = build_trainer(cfg, {"job": job_to_dict(cfg)})
     cfg = job_from_dict(config["job"])                 # in each worker
 
@@ -12,9 +13,8 @@ train) plus what only the Ray layer knows: where the workers run (`cluster`), ML
 typed, struct-mode JobConfig: an unknown key or a value of the wrong type fails in Hydra, before any
 code of ours runs. The model presets (trainer.config.PRESETS) are registered as the `model` group.
 
-Ray workers run in their own working directory (on other machines, on a cluster), so every
-relative path is made absolute against the launch directory on the driver, and a run's
-checkpoints live in its Ray run folder: <cluster.storage_path>/<cluster.run_name>/checkpoints.
+A run's files live in its Ray run folder, <cluster.storage_path>/<cluster.run_name>, laid out
+as `run_folder` below says (its checkpoints in checkpoints/).
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from cluster.tracking import resolve_tracking_uri
-from trainer.config import PRESETS, ConfigError, TrainerConfig, fail
+from trainer.config import PRESETS, ConfigError, TrainConfig, TrainerConfig, fail
 
 SCHEMA_NAME = "job_schema"
 
@@ -118,13 +116,13 @@ class ClusterConfig:
     spare_workers: Optional[bool] = None
     """After each group's first step, every worker has its node start a spare worker process,
     which imports torch, Ray Train and MLflow while it waits: a restarted group starts in the
-    spares instead of in new processes (cluster/spares.py; a worker crash recovered in 2.3 s
+    spares instead of in new processes (cluster/elastic/spares.py; a worker crash recovered in 2.3 s
     instead of 10 on the 2-CPU test machine). A spare holds ~0.54 GiB of host memory, and its
     imports take CPU once (~5 s of a core; the run's 2-core CPU workers slowed meanwhile).
     null: on for GPU workers (use_gpu), off for CPU workers, whose steps would compete with the
     spares' imports for the cores; true or false: always or never."""
     takeover: bool = False
-    """Take the run name's lease from a launch that still holds it (cluster/lease.py). Only for
+    """Take the run name's lease from a launch that still holds it (cluster/run/lease.py). Only for
     a holder you know is gone: two live launches of one name write into each other's run."""
     lease_ttl_s: float = 120.0
     """The run lease expires this long after its holder's last heartbeat (every ttl / 4): a
@@ -327,96 +325,40 @@ def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
             check_known_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")
 
 
-# ---- checks and paths, on the driver ------------------------------------------------------------
+# ---- the run folder ----------------------------------------------------------------------------
 
-
-def checked_config(
-    dictcfg: DictConfig, launch_dir: str, run_name: Optional[str] = None, resume: bool = True
-) -> JobConfig:
-    """The job as the workers will run it: typed, validated, its paths absolute, and under
-    `run_name` when given (a sweep's job). Raises ConfigError (or OmegaConf's error) naming the
-    key and the value: call it before anything starts.
-
-    Besides the values themselves: a Hugging Face model (model.hf_path) gives the shape from its
-    config.json and holds exactly that shape's tensors, the data sources list files, the
-    tokenizer loads and fits the model's vocabulary, each source's first JSONL/Parquet file has
-    the text column, and the run's newest checkpoint (if any) was trained on this model, global
-    batch and data order (unless `resume` is False: a command that does not train)."""
-    from trainer.checkpointing import data_identity, preflight_resume  # noqa: PLC0415 -- torch
-    from trainer.data import plan_and_check  # noqa: PLC0415 -- torch, pyarrow: after the values
-    from trainer.hf import HFWeights, resolve_model  # noqa: PLC0415 -- torch: after the values
-
-    cfg = to_job_config(dictcfg).validate()
-    if run_name is not None:
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, run_name=run_name))
-    cfg = with_absolute_paths(cfg, launch_dir)
-    if cfg.model.hf_path:  # the shape is the checkpoint's; its tensors must be that shape's
-        cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model)).validate()
-        HFWeights(cfg.model.hf_path, cfg.model)
-    plan = plan_and_check(cfg)
-    if resume:
-        preflight_resume(cfg.checkpoint_root, cfg, data_identity(cfg, plan.digest))
-    if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
-        from trainer.plan import check_fits  # noqa: PLC0415 -- torch: only when asked for
-
-        memory = int(cfg.cluster.device_memory_gb * 2**30)
-        check_fits(cfg, cfg.cluster.world_sizes[0], memory, headroom=cfg.cluster.use_gpu)
-    return cfg
-
-
-def is_uri(path: str) -> bool:
-    """True for pyarrow.fs URIs (s3://, gs://, file://...), which are left as they are."""
-    return "://" in path
-
-
-def absolute(path: str, base_dir: str) -> str:
-    if is_uri(path) or Path(path).is_absolute():
-        return path
-    return str((Path(base_dir) / path).resolve())
+CHECKPOINTS_DIR = "checkpoints"
+POINTER_DIR = "ray_checkpoints"
+LEASE_DIR = "lease"
+ELASTIC_DIR = "elastic"
 
 
 def run_folder(storage_path: str, run_name: str, *below: str) -> str:
-    """<storage_path>/<run_name>[/below...]: Ray Train's run folder (or a path in it). A URI's
-    query string (an S3 endpoint's options) stays at the end."""
+    """<storage_path>/<run_name>[/below...]: Ray Train's run folder (or a path in it), a local
+    path or a pyarrow.fs URI, whose query string (an S3 endpoint's options) stays at the end.
+    Ray keeps its own state there (checkpoint_manager_snapshot.json); what this project keeps
+    there is named here, and only here:
+
+        checkpoints/       CHECKPOINTS_DIR: the loop's sharded checkpoints (trainer/checkpoint)
+        ray_checkpoints/   POINTER_DIR: one pointer folder per checkpoint reported to Ray
+                           (cluster/run/ray_checkpoint.py)
+        lease/             LEASE_DIR: the run lease's generation files (cluster/run/lease.py)
+        elastic/           ELASTIC_DIR: small JSON documents shared across worker-group starts
+                           (cluster/run/folder.py RunFolder lists them)
+    """
     base, sep, query = storage_path.partition("?")
     return "/".join([base.rstrip("/"), run_name, *below]) + sep + query
 
 
 def checkpoint_root(storage_path: str, run_name: str) -> str:
     """<storage_path>/<run_name>/checkpoints: a run's checkpoints, in Ray's run folder."""
-    return run_folder(storage_path, run_name, "checkpoints")
+    return run_folder(storage_path, run_name, CHECKPOINTS_DIR)
 
 
-def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:
-    """A copy of cfg with the data, tokenizer, storage and tracking locations absolute: Ray
-    workers and Ray Data tasks run in other folders, on other machines."""
-    d = cfg.data
-    data = dataclasses.replace(
-        d,
-        source=_data_path(d.source, base_dir),
-        mix=[dataclasses.replace(m, path=_data_path(m.path, base_dir)) for m in d.mix],
-        tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer, base_dir),
-        prepared_dir=absolute(d.prepared_dir, base_dir),
-    )
-    hf = cfg.model.hf_path
-    model = dataclasses.replace(cfg.model, hf_path=absolute(hf, base_dir) if hf else hf)
-    return dataclasses.replace(
-        cfg,
-        model=model,
-        data=data,
-        cluster=dataclasses.replace(
-            cfg.cluster, storage_path=absolute(cfg.cluster.storage_path, base_dir)
-        ),
-        tracking=dataclasses.replace(
-            cfg.tracking, tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri, base_dir)
-        ),
-    )
-
-
-def _data_path(path: str, base_dir: str) -> str:
-    if path == "stdlib" or not path:
-        return path
-    return absolute(str(Path(path).expanduser()) if not is_uri(path) else path, base_dir)
+def snapshots_on(cfg: JobConfig) -> bool:
+    """Whether the job's workers keep in-memory snapshots: train.snapshot_every, given whether
+    they are GPU workers (TrainConfig.snapshots_on decides; the memory planner asks it too)."""
+    return TrainConfig.snapshots_on(cfg.train, gpu_workers=cfg.cluster.use_gpu)
 
 
 # ---- the trip to the workers --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The driver's last checks before Ray: what the workers would otherwise find, minutes later.
+"""The driver's checks before Ray: what the workers would otherwise find, minutes later.
 
     cfg = checked_config(dictcfg, launch_dir)    # values, paths, sources, the checkpoint to resume
     plan = preflight(cfg)                        # the prepared data intact, the storage writable
@@ -6,8 +6,9 @@
 
 A problem found in a worker costs a Ray start and cluster.max_failures + 1 tries of the worker
 group, each with its tracebacks; found here it is one `error:` line (a ConfigError) in seconds,
-before Ray starts and before the MLflow run exists. checked_config already refuses a resumable
-checkpoint of another model, global batch or data (trainer.checkpointing.preflight_resume); this
+before Ray starts and before the MLflow run exists. `checked_config` makes the job the one the
+workers will run (typed, validated, its paths absolute) and refuses a resumable checkpoint of
+another model, global batch or data (trainer.checkpoint.resume.preflight_resume); `preflight`
 adds what needs the storage itself:
 
 - the prepared data, when a preparation of this job exists: its manifest reads, every shard is
@@ -18,15 +19,104 @@ adds what needs the storage itself:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
+from pathlib import Path
 from typing import Optional
 
-from cluster.config import ConfigError, JobConfig
+from omegaconf import DictConfig
+
+from cluster.config import ConfigError, JobConfig, to_job_config
+from cluster.tracking.runs import resolve_tracking_uri
 from trainer import storage
-from trainer.data import MANIFEST, DataError, PreparedData
+from trainer.data import MANIFEST, DataError, PreparedData, plan_and_check
 from trainer.data.preparation import Plan, plan_preparation
 from trainer.storage import Location
+
+# ---- the job as the workers will run it --------------------------------------------------------
+
+
+def checked_config(
+    dictcfg: DictConfig, launch_dir: str, run_name: Optional[str] = None, resume: bool = True
+) -> JobConfig:
+    """The job as the workers will run it: typed, validated, its paths absolute, and under
+    `run_name` when given (a sweep's job). Raises ConfigError (or OmegaConf's error) naming the
+    key and the value: call it before anything starts.
+
+    Besides the values themselves: a Hugging Face model (model.hf_path) gives the shape from its
+    config.json and holds exactly that shape's tensors, the data sources list files, the
+    tokenizer loads and fits the model's vocabulary, each source's first JSONL/Parquet file has
+    the text column, and the run's newest checkpoint (if any) was trained on this model, global
+    batch and data order (unless `resume` is False: a command that does not train)."""
+    from trainer.checkpoint.resume import (  # noqa: PLC0415 -- torch: after the values
+        data_identity,
+        preflight_resume,
+    )
+    from trainer.hf import HFWeights, resolve_model  # noqa: PLC0415 -- torch: after the values
+
+    cfg = to_job_config(dictcfg).validate()
+    if run_name is not None:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, run_name=run_name))
+    cfg = with_absolute_paths(cfg, launch_dir)
+    if cfg.model.hf_path:  # the shape is the checkpoint's; its tensors must be that shape's
+        cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model)).validate()
+        HFWeights(cfg.model.hf_path, cfg.model)
+    plan = plan_and_check(cfg)
+    if resume:
+        preflight_resume(cfg.checkpoint_root, cfg, data_identity(cfg, plan.digest))
+    if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
+        from trainer.plan import check_fits  # noqa: PLC0415 -- torch: only when asked for
+
+        memory = int(cfg.cluster.device_memory_gb * 2**30)
+        check_fits(cfg, cfg.cluster.world_sizes[0], memory, headroom=cfg.cluster.use_gpu)
+    return cfg
+
+
+def is_uri(path: str) -> bool:
+    """True for pyarrow.fs URIs (s3://, gs://, file://...), which are left as they are."""
+    return "://" in path
+
+
+def absolute(path: str, base_dir: str) -> str:
+    if is_uri(path) or Path(path).is_absolute():
+        return path
+    return str((Path(base_dir) / path).resolve())
+
+
+def with_absolute_paths(cfg: JobConfig, base_dir: str) -> JobConfig:
+    """A copy of cfg with the data, tokenizer, storage and tracking locations absolute: Ray
+    workers and Ray Data tasks run in other folders, on other machines."""
+    d = cfg.data
+    data = dataclasses.replace(
+        d,
+        source=_data_path(d.source, base_dir),
+        mix=[dataclasses.replace(m, path=_data_path(m.path, base_dir)) for m in d.mix],
+        tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer, base_dir),
+        prepared_dir=absolute(d.prepared_dir, base_dir),
+    )
+    hf = cfg.model.hf_path
+    model = dataclasses.replace(cfg.model, hf_path=absolute(hf, base_dir) if hf else hf)
+    return dataclasses.replace(
+        cfg,
+        model=model,
+        data=data,
+        cluster=dataclasses.replace(
+            cfg.cluster, storage_path=absolute(cfg.cluster.storage_path, base_dir)
+        ),
+        tracking=dataclasses.replace(
+            cfg.tracking, tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri, base_dir)
+        ),
+    )
+
+
+def _data_path(path: str, base_dir: str) -> str:
+    if path == "stdlib" or not path:
+        return path
+    return absolute(str(Path(path).expanduser()) if not is_uri(path) else path, base_dir)
+
+
+# ---- what needs the storage ----------------------------------------------------------------------
 
 CHECKSUM_MAX_BYTES = 2 * 2**30
 """A preparation up to this size has every shard's crc32 checked (zlib reads a few GB/s locally);

@@ -27,8 +27,9 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config import ConfigError, JobConfig, checked_config, register_schemas
-from cluster.ray_launch import connect_largest
+from cluster.config import ConfigError, JobConfig, register_schemas
+from cluster.launch import connect_largest
+from cluster.preflight import checked_config
 from trainer.data import PreparedInfo, WorkUnit, plan_and_check, prepare, process_unit
 from trainer.data.preparation import Plan
 from trainer.data.tokenizer import load_tokenizer

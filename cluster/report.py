@@ -6,11 +6,11 @@ parent.
     python -m cluster.report elastic-fsdp --tracking-uri http://mlflow:5000
 
 One row per child run: strategy, world size, tokens/s and step time (median, with the p10-p90
-spread, over the logged steps after the warm-up: cluster/summary.py, the numbers finish_tracking
-logs as summary/*), the steps measured, peak memory per rank (the engine's accounted peak,
-mem/peak_total_bytes: parameters, gradients, optimizer state, gathered buffers; on GPU runs also
-the device's max allocated, activations included), bytes moved per step per rank
-(comm/total_bytes) and the final loss. Under the table: the fastest finished run by median
+spread, over the logged steps after the warm-up: cluster/tracking/summary.py, the numbers
+finish_tracking logs as summary/*), the steps measured, peak memory per rank (the engine's
+accounted peak, mem/peak_total_bytes: parameters, gradients, optimizer state, gathered buffers;
+on GPU runs also the device's max allocated, activations included), bytes moved per step per
+rank (comm/total_bytes) and the final loss. Under the table: the fastest finished run by median
 tokens/s, and a warning when its p10-p90 overlaps another run's (the ranking is within the noise)
 or when a run is too short or too noisy to rank. The parent run is tagged with the fastest
 (sweep/winner).
@@ -25,16 +25,15 @@ import csv
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from cluster.summary import MAX_SPREAD, MIN_MEASURED_STEPS, WARMUP_STEPS, Spread, run_stats
-from cluster.tracking import resolve_tracking_uri
+from cluster.tracking.compare import RunSummary, Verdict, find_runs, summarize, verdict, winner_tags
+from cluster.tracking.plots import plot_bars, plot_loss_curves
+from cluster.tracking.runs import resolve_tracking_uri
+from cluster.tracking.summary import MAX_SPREAD, MIN_MEASURED_STEPS, WARMUP_STEPS
 
-PLOT_SIZE_PX = (800, 500)
-"""(width, height) of every PNG the report writes: 8 x 5 inches at 100 dpi."""
-PLOT_DPI = 100
 REPORT_FILES = (
     "report.txt",
     "report.csv",
@@ -46,192 +45,12 @@ MiB = 2**20
 
 
 @dataclass
-class RunSummary:
-    run_id: str
-    name: str
-    status: str
-    strategy: str
-    world_size: str
-    tokens_per_s: float
-    """Median after the warm-up, as step_ms and bytes_per_step."""
-    step_ms: float
-    peak_memory_bytes: float
-    """The engine's accounted peak (parameters, gradients, optimizer state, gathered buffers)."""
-    device_peak_bytes: float
-    """torch.cuda.max_memory_allocated on GPU runs (everything, activations included); NaN on
-    CPU."""
-    bytes_per_step: float
-    final_loss: float
-    loss_curve: list = field(default_factory=list)  # [(step, loss)]
-    tokens_per_s_p10: float = math.nan
-    tokens_per_s_p90: float = math.nan
-    step_ms_p10: float = math.nan
-    step_ms_p90: float = math.nan
-    steps_measured: int = 0
-    too_short: str = ""
-    """Why this run is too short or too noisy to rank strategies; empty when it is not."""
-
-    @property
-    def tokens(self) -> Spread:
-        return Spread(self.tokens_per_s, self.tokens_per_s_p10, self.tokens_per_s_p90)
-
-
-@dataclass
 class Report:
     parent_run_id: Optional[str]
     rows: list
     table: str
     verdict: Verdict
     files: list  # absolute paths of everything written
-
-
-# ---- which runs ------------------------------------------------------------------------------
-
-
-def find_runs(client, target: str) -> tuple[Optional[object], list]:
-    """(parent run or None, its child runs in job order) for a parent run id or an experiment
-    name (its newest sweep; all its runs if it has none). ValueError says what was not found."""
-    run = _run_or_none(client, target)
-    if run is not None:
-        children = child_runs(client, run)
-        if not children:
-            raise ValueError(
-                f"run {target} has no child runs: pass a sweep's parent run id or an "
-                "experiment name"
-            )
-        return run, children
-    experiment = client.get_experiment_by_name(target)
-    if experiment is None:
-        names = sorted(e.name for e in client.search_experiments())
-        raise ValueError(
-            f"no run id or experiment named {target!r} in {client.tracking_uri}; "
-            f"experiments there: {', '.join(names) or 'none'}"
-        )
-    runs = client.search_runs(
-        [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=5000
-    )
-    parent_ids = {r.data.tags.get("mlflow.parentRunId") for r in runs} - {None}
-    parents = [r for r in runs if r.info.run_id in parent_ids]
-    if parents:
-        return parents[0], child_runs(client, parents[0])
-    if not runs:
-        raise ValueError(f"experiment {target!r} has no runs")
-    return None, sorted(runs, key=lambda r: r.info.start_time)
-
-
-def _run_or_none(client, run_id: str):
-    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: seconds to import
-
-    try:
-        return client.get_run(run_id)
-    except MlflowException:
-        return None
-
-
-def child_runs(client, parent) -> list:
-    """Children of `parent`, in job order (sweep.job tag, then start time)."""
-    runs = client.search_runs(
-        [parent.info.experiment_id],
-        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
-        max_results=5000,
-    )
-    return sorted(runs, key=lambda r: (int(r.data.tags.get("sweep.job", 10**9)), r.info.start_time))
-
-
-# ---- what each run did -----------------------------------------------------------------------
-
-
-def summarize(client, run) -> RunSummary:
-    """A run's row, from its metric history with the warm-up rule of cluster/summary.py."""
-
-    def history(key: str) -> list[tuple[int, float]]:
-        return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
-
-    stats = run_stats(history)
-    tags = run.data.tags
-    return RunSummary(
-        run_id=run.info.run_id,
-        name=run.info.run_name or run.info.run_id[:8],
-        status=run.info.status,
-        strategy=tags.get("strategy", "?"),
-        world_size=tags.get("world_size", "?"),
-        tokens_per_s=stats.tokens_per_s.median,
-        step_ms=stats.step_ms.median,
-        peak_memory_bytes=stats.peak_memory_bytes,
-        device_peak_bytes=stats.device_peak_bytes,
-        bytes_per_step=stats.bytes_per_step,
-        final_loss=stats.final_loss,
-        loss_curve=history("train/loss"),
-        tokens_per_s_p10=stats.tokens_per_s.p10,
-        tokens_per_s_p90=stats.tokens_per_s.p90,
-        step_ms_p10=stats.step_ms.p10,
-        step_ms_p90=stats.step_ms.p90,
-        steps_measured=stats.steps_measured,
-        too_short=stats.too_short() or "",
-    )
-
-
-# ---- which is fastest, and can it be told ------------------------------------------------------
-
-
-@dataclass
-class Verdict:
-    winner: Optional[RunSummary]
-    """The finished run with the highest median tokens/s; None when no run finished with one."""
-    within_noise: list
-    """The other finished runs whose tokens/s p10-p90 overlaps the winner's."""
-    too_short: list
-    """Runs too short or too noisy to rank strategies (RunSummary.too_short)."""
-
-    def lines(self) -> list[str]:
-        """What the table alone does not say: the fastest run, and how far to trust that."""
-        if self.winner is None:
-            return ["fastest: none (no finished run logged tokens/s)"]
-        w = self.winner
-        lines = [
-            f"fastest: {w.name} ({w.strategy}), {w.tokens_per_s:,.0f} tokens/s median "
-            f"(p10-p90 {w.tokens_per_s_p10:,.0f}-{w.tokens_per_s_p90:,.0f})"
-        ]
-        if self.within_noise:
-            names = ", ".join(r.name for r in self.within_noise)
-            ranges = "range of" if len(self.within_noise) == 1 else "ranges of"
-            overlap = "overlaps" if len(self.within_noise) == 1 else "overlap"
-            lines.append(
-                f"warning: the ranking is within the noise: the tokens/s p10-p90 {ranges} {names} "
-                f"{overlap} {w.name}'s; measure more steps (train.steps) before choosing"
-            )
-        for r in self.too_short:
-            lines.append(
-                f"warning: {r.name} is too short or too noisy to rank strategies ({r.too_short})"
-            )
-        return lines
-
-
-def verdict(rows: list[RunSummary]) -> Verdict:
-    """Rank the finished runs by median tokens/s (higher is faster)."""
-    ranked = sorted(
-        (r for r in rows if r.status == "FINISHED" and not math.isnan(r.tokens_per_s)),
-        key=lambda r: r.tokens_per_s,
-        reverse=True,
-    )
-    if not ranked:
-        return Verdict(None, [], [r for r in rows if r.too_short])
-    winner = ranked[0]
-    noise = [r for r in ranked[1:] if r.tokens.overlaps(winner.tokens)]
-    return Verdict(winner, noise, [r for r in rows if r.too_short])
-
-
-def winner_tags(v: Verdict) -> dict[str, str]:
-    """The parent run's sweep/* tags: which child won, and whether that can be trusted."""
-    if v.winner is None:
-        return {"sweep/winner": "none"}
-    return {
-        "sweep/winner": v.winner.name,
-        "sweep/winner_strategy": v.winner.strategy,
-        "sweep/winner_run_id": v.winner.run_id,
-        "sweep/within_noise": str(bool(v.within_noise)).lower(),
-        "sweep/too_short": str(bool(v.too_short)).lower(),
-    }
 
 
 # ---- the table -------------------------------------------------------------------------------
@@ -339,93 +158,7 @@ def write_csv(rows: list[RunSummary], path: Path) -> None:
             w.writerow([getattr(r, f) for f in CSV_FIELDS])
 
 
-# ---- the plots -------------------------------------------------------------------------------
-
-
-def _figure():
-    import matplotlib  # noqa: PLC0415 -- matplotlib costs a second to import: only to plot
-
-    matplotlib.use("Agg")  # no display on a cluster head or in CI
-    import matplotlib.pyplot as plt  # noqa: PLC0415 -- after matplotlib.use("Agg")
-
-    return plt, plt.figure(
-        figsize=(PLOT_SIZE_PX[0] / PLOT_DPI, PLOT_SIZE_PX[1] / PLOT_DPI), dpi=PLOT_DPI
-    )
-
-
-def plot_loss_curves(curves: dict[str, list[tuple[int, float]]], path: str, title: str) -> str:
-    """One line per run: train/loss against the global optimizer step."""
-    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 -- matplotlib: only to plot
-
-    plt, fig = _figure()
-    ax = fig.add_subplot()
-    # Strategies in fp32 give the same losses: keep each line visible.
-    styles = ("-", "--", "-.", ":")
-    for i, (label, points) in enumerate(curves.items()):
-        if points:
-            ax.plot(
-                [s for s, _ in points],
-                [v for _, v in points],
-                styles[i % len(styles)],
-                label=label,
-                linewidth=1.8,
-                marker="o" if len(points) <= 30 else None,
-                markersize=3,
-            )
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("train/loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if len(curves) > 1:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=PLOT_DPI)  # no bbox_inches="tight": every plot keeps PLOT_SIZE_PX
-    plt.close(fig)
-    return path
-
-
-def plot_bars(
-    labels: list[str],
-    values: list[float],
-    ylabel: str,
-    title: str,
-    path: str,
-    ranges: Optional[list[tuple[float, float]]] = None,
-) -> str:
-    """One bar per run; `ranges` [(p10, p90)] draws them as error bars around each value."""
-    plt, fig = _figure()
-    ax = fig.add_subplot()
-    heights = [0.0 if math.isnan(v) else v for v in values]
-    yerr = None
-    if ranges is not None:
-        below = [_gap(v - lo) for v, (lo, _) in zip(values, ranges)]
-        above = [_gap(hi - v) for v, (_, hi) in zip(values, ranges)]
-        yerr = [below, above]
-    bars = ax.bar(
-        range(len(labels)),
-        heights,
-        yerr=yerr,
-        capsize=6,
-        color=[f"C{i}" for i in range(len(labels))],
-    )
-    # Inside the bar when error bars stand on its top.
-    label_type = "edge" if ranges is None else "center"
-    ax.bar_label(
-        bars, labels=[_num(v, ",.1f") for v in values], fontsize="small", label_type=label_type
-    )
-    ax.set_xticks(range(len(labels)), labels, fontsize="small")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=PLOT_DPI)
-    plt.close(fig)
-    return path
-
-
-def _gap(x: float) -> float:
-    return 0.0 if math.isnan(x) else max(0.0, x)
+# ---- the plots (cluster/tracking/plots.py draws them) -------------------------------------------
 
 
 def bar_labels(rows: list[RunSummary]) -> list[str]:

@@ -5,7 +5,7 @@
 `ray job submit --working-dir .` uploads the working tree without .git, so a job cannot ask git
 which commit it runs, and its MLflow run would carry none. This wrapper asks git here, in the
 checkout being submitted, and hands the answer to the job as two environment variables in its
-runtime env (cluster.tracking.COMMIT_ENV / DIRTY_ENV), which the driver tags as
+runtime env (cluster.tracking.source.COMMIT_ENV / DIRTY_ENV), which the driver tags as
 `mlflow.source.git.commit` and `git_dirty`. Everything else is `ray job submit`'s own: every
 option before `--` goes to it unchanged, except that
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from cluster.tracking import COMMIT_ENV, DIRTY_ENV, git_commit, git_dirty
+from cluster.tracking.source import COMMIT_ENV, DIRTY_ENV, git_commit, git_dirty
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 USAGE = (

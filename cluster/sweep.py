@@ -7,7 +7,7 @@
 Hydra's basic launcher runs the jobs one after another in this process; `SweepCallback`
 (conf/config.yaml, hydra.callbacks) wraps them:
 - before the first job, every job's config is composed exactly as Hydra will compose it and put
-  through the same checks as a single run (cluster.config.checked_config): one bad value in any
+  through the same checks as a single run (cluster.preflight.checked_config): one bad value in any
   job stops the sweep before Ray or MLflow start, naming the job, the key, the value and what is
   valid;
 - Ray is started (or joined) once, sized for the largest job, and every job reuses it;
@@ -45,12 +45,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config import ConfigError, JobConfig, checked_config, flatten
+from cluster.config import ConfigError, JobConfig, flatten
+from cluster.launch import connect_largest
 from cluster.logs import quiet_libraries
-from cluster.preflight import preflight
-from cluster.ray_launch import connect_largest
+from cluster.preflight import checked_config, preflight
 from cluster.report import write_report
-from cluster.tracking import (
+from cluster.tracking.runs import (
     create_sweep_run,
     end_run,
     experiment_of,

@@ -30,27 +30,27 @@ from omegaconf.errors import OmegaConfBaseException
 from cluster.config import (
     ConfigError,
     JobConfig,
-    checked_config,
     job_to_dict,
     register_schemas,
     run_folder,
+    snapshots_on,
 )
-from cluster.lease import LeaseHeld, LeaseLost, RunLease
+from cluster.launch import build_trainer, connect_largest
 from cluster.logs import quiet_libraries, tee_to_job_log, wait_for_workers_output
-from cluster.preflight import preflight
-from cluster.ray_checkpoint import read_pointer
-from cluster.ray_launch import build_trainer, connect_largest
+from cluster.preflight import checked_config, preflight
+from cluster.run.fatal import fatal_error
+from cluster.run.lease import LeaseHeld, LeaseLost, RunLease
+from cluster.run.ray_checkpoint import read_pointer
 from cluster.sweep import JobSlot, current_slot, sweep_run_name
-from cluster.tracking import (
+from cluster.tracking.job import finish_tracking, start_tracking
+from cluster.tracking.runs import (
     end_abandoned_run,
     experiment_of,
-    finish_tracking,
     metric_history,
-    start_tracking,
     ui_command,
     ui_url,
 )
-from cluster.worker import LaunchInfo, fatal_error, snapshots_on, worker_config
+from cluster.worker import LaunchInfo, worker_config
 from trainer.data.preparation import Plan
 
 register_schemas()
@@ -100,7 +100,7 @@ def run_job(dictcfg: DictConfig, slot: Optional[JobSlot]) -> Optional[dict]:
 
 
 def lease_or_exit(cfg: JobConfig) -> RunLease:
-    """The run name's lease (cluster/lease.py), heartbeating; or exit 2 naming the launch that
+    """The run name's lease (cluster/run/lease.py), heartbeating; or exit 2 naming the launch that
     holds it. Before Ray and MLflow: a refused launch leaves nothing behind."""
     try:
         lease = RunLease.acquire(
@@ -188,7 +188,7 @@ def fit(
     startup: Optional[Startup] = None,
 ):
     """Run the TorchTrainer to completion; Ray retries failures up to cluster.max_failures (the
-    workers end cleanly on errors a retry would repeat: cluster/worker.py fatal_errors)."""
+    workers end cleanly on errors a retry would repeat: cluster/run/fatal.py)."""
     import ray.train.torch  # noqa: F401, PLC0415 -- seconds to import: a start-up phase of its own
 
     if startup is not None:
@@ -213,10 +213,10 @@ def stop_snapshot_keepers(cfg: JobConfig, launch_id: str) -> None:
     """Free the keepers' memory (they are detached actors: they would outlive this driver)."""
     if not snapshots_on(cfg):
         return
-    from cluster.elastic import snapshots  # noqa: PLC0415 -- imports ray
+    from cluster.snapshots import keepers  # noqa: PLC0415 -- imports ray
 
     try:
-        snapshots.stop_keepers(snapshots.run_key_of(cfg.cluster.run_name, launch_id))
+        keepers.stop_keepers(keepers.run_key_of(cfg.cluster.run_name, launch_id))
     except Exception as e:  # the run's outcome stands; say what was left
         print(f"warning: could not stop the snapshot keepers ({type(e).__name__}: {e})")
 

@@ -4,7 +4,7 @@ Ray Train's TorchTrainer has already joined this process to the default torch.di
 (gloo on CPU, NCCL on GPU) before this function starts. Every start of the worker group (the
 first, and each restart after a failure or a resize) runs this function again at the group's
 world size; the loop resumes from the newest checkpoint, and cluster/elastic/ adds the fault
-drills, the graceful drain and the elastic/* metrics.
+drills, the graceful drain (and how the group then leaves) and the elastic/* metrics.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
-from cluster.config import job_from_dict, run_folder
-from cluster.lease import LeaseGuard
+from cluster.config import job_from_dict, snapshots_on
+from cluster.elastic.grow import DrainRequests
+from cluster.elastic.spares import SpareRequest, match_torch_threads, this_process
 from cluster.logs import end_of_output, quiet_libraries, quiet_ray_worker
-from cluster.ray_checkpoint import read_pointer, report_checkpoint
-from cluster.spares import SpareRequest, match_torch_threads, this_process
+from cluster.run.fatal import end_fatally, fatal_errors
+from cluster.run.folder import RunFolder, ray_run_folder
+from cluster.run.lease import LeaseGuard
+from cluster.run.ray_checkpoint import read_pointer, report_checkpoint
 from trainer.metrics import MetricsLogger, MLflowLogger, NodeMetrics, NullLogger, print0
 
 
@@ -55,18 +58,26 @@ def assigned_device(use_gpu: bool):
 
 
 def spare_request(cfg) -> Optional[Callable[[int], None]]:
-    """Each worker: a spare process on its node after the first step (cluster/spares.py)."""
+    """Each worker: a spare process on its node after the first step (elastic/spares.py)."""
     return SpareRequest() if cfg.cluster.spares_on else None
 
 
 def train_loop_per_worker(config: dict) -> None:
     entered = time.time()
-    # The driver imports this module too, and must not pay for ray and torch (seconds) before a
-    # config is checked; here the imports are timed (ElasticTracker's imports_s).
+    # The driver imports this module too, and must not pay for ray and Ray Train (seconds)
+    # before a config is checked; here the imports are timed (ElasticTracker's imports_s).
     import ray.train  # noqa: PLC0415 -- ray: seconds to import, and timed here
 
-    from cluster import elastic  # noqa: PLC0415 -- imports ray
-    from trainer.loop import WorkerContext, run_training  # noqa: PLC0415 -- imports torch
+    from cluster.elastic.drain import (  # noqa: PLC0415 -- imports Ray Train
+        WORKER_TIMES,
+        DrainWatcher,
+        preemption_notice,
+        training,
+    )
+    from cluster.elastic.faults import FaultInjector  # noqa: PLC0415 -- the same
+    from cluster.elastic.leave import leave_gracefully  # noqa: PLC0415 -- the same
+    from cluster.elastic.tracker import ElasticTracker, chain  # noqa: PLC0415 -- the same
+    from trainer.loop import WorkerContext, run_training  # noqa: PLC0415 -- the whole trainer
 
     match_torch_threads()  # a spare imported torch before Ray set OMP_NUM_THREADS
     cfg = job_from_dict(config["job"])
@@ -75,14 +86,14 @@ def train_loop_per_worker(config: dict) -> None:
     launch = LaunchInfo(**config["launch"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    folder = elastic.RunFolder.of_ray_run(context.get_storage())
+    folder = RunFolder.of_ray_run(context.get_storage())
     logger = make_logger(rank, cfg.tracking.tracking_uri, launch.mlflow_run_id)
     times = {
-        "context": elastic.WORKER_TIMES.get("context"),
+        "context": WORKER_TIMES.get("context"),
         "entered": entered,
         "imported": time.time(),
     }
-    tracker = elastic.ElasticTracker(
+    tracker = ElasticTracker(
         folder,
         rank,
         world_size,
@@ -92,10 +103,10 @@ def train_loop_per_worker(config: dict) -> None:
         process=this_process(),
     )
     node_metrics = system_metrics(context, cfg, launch)
-    drain = elastic.DrainWatcher(
+    drain = DrainWatcher(
         rank,
-        preemption_info=elastic.preemption_notice(),
-        requests=elastic.DrainRequests(folder, launch.launch_id) if rank == 0 else None,
+        preemption_info=preemption_notice(),
+        requests=DrainRequests(folder, launch.launch_id) if rank == 0 else None,
     )
     announce_resume(ray.train.get_checkpoint())
     ctx = WorkerContext(
@@ -113,20 +124,20 @@ def train_loop_per_worker(config: dict) -> None:
         should_stop=drain,
         logger=logger,
         device=assigned_device(cfg.cluster.use_gpu),
-        before_step=elastic.chain(
+        before_step=chain(
             tracker.before_step,
-            elastic.FaultInjector(cfg.fault, rank, folder),
+            FaultInjector(cfg.fault, rank, folder),
             spare_request(cfg),
         ),
         after_step=after_steps(tracker.on_step, node_metrics and node_metrics.on_step),
-        may_write=LeaseGuard(folder.location, launch.launch_id),
+        may_write=LeaseGuard(ray_run_folder(context.get_storage()), launch.launch_id),
         snapshot_root=snapshot_root(cfg, launch),
     )
     try:
-        with elastic.training():
+        with training():
             result = run_training(cfg, ctx)
     except fatal_errors() as e:
-        end_fatally(folder, rank, launch, e)
+        end_fatally(folder, rank, launch.launch_id, e)
         if rank == 0:  # the driver waits for this line
             print(end_of_output(launch.launch_id), flush=True)
         return
@@ -139,102 +150,16 @@ def train_loop_per_worker(config: dict) -> None:
             drain.requests.finished(result.steps_done)
         print(end_of_output(launch.launch_id), flush=True)
     if result.steps_done < cfg.train.steps:  # the loop only returns early when asked to stop
-        tracker.left(result.steps_done)
-        if drain.requests is not None:  # its checkpoint is committed: the controller may go on
-            drain.requests.acknowledge(result.steps_done)
-        agree_who_leaves(drain, rank, world_size)
-        if drain.leaving and ctx.snapshot_root:  # this node goes: so does its keeper
-            stop_node_keeper(cfg, launch)
-        leave_together(rank, world_size)
-        elastic.leave(
+        leave_gracefully(
             drain,
-            f"rank {rank} left at step {result.steps_done} of {cfg.train.steps} "
-            f"({drain.reason or 'another rank was asked to stop'}) after "
-            f"committing {result.last_checkpoint}; Ray Train restarts the worker "
-            "group from it",
+            tracker,
+            rank,
+            world_size,
+            result.steps_done,
+            cfg.train.steps,
+            result.last_checkpoint,
+            stop_keeper=stop_node_keeper(cfg, launch) if ctx.snapshot_root else None,
         )
-
-
-def agree_who_leaves(drain, rank: int, world_size: int) -> None:
-    """Every rank learns whether its own process must go. The group stopped on one rank's word
-    (the loop agrees with a MAX all-reduce), but Ray hands its preemption notice to each worker
-    in turn: a preempted rank can stop on another's notice before its own arrived, and would
-    then neither stop its node's keeper (the node lingers, and keeps copies of snapshots
-    meant to be elsewhere) nor end its process. Each rank contributes the ranks it knows must
-    go (the notice's, or itself after a SIGTERM); a MAX all-reduce unites them."""
-    if world_size <= 1:
-        return
-    import torch  # noqa: PLC0415 -- torch: loaded in a worker already
-    import torch.distributed as dist  # noqa: PLC0415 -- the same
-
-    if not dist.is_initialized():
-        return
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    going = torch.zeros(world_size, device=device)
-    for r in drain.leaving_ranks():
-        going[r] = 1.0
-    try:
-        dist.all_reduce(going, op=dist.ReduceOp.MAX)
-    except Exception as e:  # another rank is gone already: keep what this one knows
-        print(f"rank {rank}: cannot learn who leaves ({type(e).__name__}: {e})", flush=True)
-        return
-    if going[rank].item() > 0 and not drain.leaving:
-        drain.leaving = True
-        print(f"rank {rank}: another rank saw this one's preemption notice: leaving", flush=True)
-
-
-def leave_together(rank: int, world_size: int) -> None:
-    """Wait until every rank has done its bookkeeping (rank 0's record of where the group left
-    and its answer to the controller's drain request, a leaving node's keeper stopped) before
-    any rank ends: the first DrainedError Ray sees may be the run's last allowed failure, and
-    Ray then kills the whole group at once."""
-    if world_size <= 1:
-        return
-    import torch.distributed as dist  # noqa: PLC0415 -- torch: loaded in a worker already
-
-    try:
-        if dist.is_initialized():
-            dist.barrier()
-    except Exception as e:  # another rank is gone already: nothing to wait for
-        print(f"rank {rank}: leaving without the others ({type(e).__name__}: {e})", flush=True)
-
-
-FATAL = "fatal.json"
-"""In the run's elastic/ folder: the error that ended a launch's training for good."""
-
-
-def fatal_errors() -> tuple[type, ...]:
-    """Errors that every rank raises alike and a restart would only repeat: the run diverged, or
-    the configuration does not fit the run (a checkpoint of another model, a vocabulary too
-    small). Ray Train 2.60 retries every worker failure (its failure policy has no per-error
-    rule), so the workers end cleanly and hand the error to the driver instead."""
-    from trainer.checkpointing import RunTakenOver  # noqa: PLC0415 -- torch: in the worker only
-    from trainer.config import ConfigError  # noqa: PLC0415
-    from trainer.loop import DivergenceError  # noqa: PLC0415
-
-    return (DivergenceError, ConfigError, RunTakenOver)
-
-
-def end_fatally(folder, rank: int, launch: LaunchInfo, error: Exception) -> None:
-    """Rank 0 records the error for the driver (durable: the driver reads it after fit)."""
-    if rank == 0:
-        doc = {"launch_id": launch.launch_id, "type": type(error).__name__, "error": str(error)}
-        folder.write(FATAL, doc, durable=True)
-    print0(f"error: {type(error).__name__}: {error} (not retried: a restart would repeat it)")
-
-
-def fatal_error(cluster, launch_id: str) -> Optional[str]:
-    """The driver's side: the error this launch's workers ended with, if they recorded one in
-    <run folder>/elastic (`cluster`: the job's ClusterConfig)."""
-    from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder  # noqa: PLC0415 -- imports ray
-
-    folder = run_folder(cluster.storage_path, cluster.run_name, ELASTIC_DIR)
-    record = RunFolder.at(folder).read(FATAL)
-    if record and record.get("launch_id") == launch_id:
-        return f"{record['type']}: {record['error']}"
-    return None
 
 
 def system_metrics(context, cfg, launch: LaunchInfo) -> Optional[NodeMetrics]:
@@ -254,44 +179,28 @@ def system_metrics(context, cfg, launch: LaunchInfo) -> Optional[NodeMetrics]:
     )
 
 
-def snapshots_on(cfg) -> bool:
-    """train.snapshot_every: N > 0 always; null only on GPU workers. On CPU workers the training
-    itself uses the CPUs the background copy would need (benchmarks.snapshots here: 1.44-1.47x
-    the step time), so null means none there; set N to have them anyway."""
-    every = cfg.train.snapshot_every
-    return every != 0 and (every is not None or cfg.cluster.use_gpu)
-
-
 def snapshot_root(cfg, launch: LaunchInfo) -> Optional[str]:
     """Where this launch's in-memory snapshots go: keeper://, the memory of a keeper actor per
-    node, each file on its writer's node and the next (cluster/elastic/snapshots.py); this
-    node's keeper is started here if no worker started it yet. None when snapshots are off
-    (`snapshots_on`)."""
+    node, each file on its writer's node and the next (cluster/snapshots/); this node's keeper
+    is started here if no worker started it yet. None when snapshots are off (`snapshots_on`)."""
     if not snapshots_on(cfg):
         return None
     import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
 
-    from cluster.elastic import snapshots  # noqa: PLC0415 -- imports ray
+    from cluster.snapshots import keeper_fs, keepers  # noqa: PLC0415 -- imports ray
 
-    snapshots.register_keeper_scheme()
-    key = snapshots.run_key_of(cfg.cluster.run_name, launch.launch_id)
-    snapshots.ensure_keeper(key, ray.get_runtime_context().get_node_id())
-    return f"keeper://{key}/snapshots"
+    keeper_fs.register_keeper_scheme()
+    key = keepers.run_key_of(cfg.cluster.run_name, launch.launch_id)
+    keepers.ensure_keeper(key, ray.get_runtime_context().get_node_id())
+    return f"{keeper_fs.SCHEME}://{key}/snapshots"
 
 
-def stop_node_keeper(cfg, launch: LaunchInfo) -> None:
-    """A node being drained (preempted, or a SIGTERM) goes idle, and leaves, only once nothing
-    runs on it; its keeper would keep it. Its snapshot files all have a copy on another node,
-    and the drain committed a durable checkpoint anyway."""
-    import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
+def stop_node_keeper(cfg, launch: LaunchInfo) -> Callable[[], None]:
+    """What stops this node's keeper when its node leaves (elastic/leave.py calls it)."""
+    from cluster.snapshots import keepers  # noqa: PLC0415 -- imports ray
 
-    from cluster.elastic import snapshots  # noqa: PLC0415 -- imports ray
-
-    key = snapshots.run_key_of(cfg.cluster.run_name, launch.launch_id)
-    try:
-        snapshots.stop_keeper(key, ray.get_runtime_context().get_node_id())
-    except Exception as e:  # another rank of this node stopped it first, or Ray is going
-        print(f"snapshots: this node's keeper: {type(e).__name__}: {e}", flush=True)
+    key = keepers.run_key_of(cfg.cluster.run_name, launch.launch_id)
+    return lambda: keepers.stop_node_keeper(key)
 
 
 def after_steps(*hooks) -> Callable[[int, dict], Optional[dict]]:

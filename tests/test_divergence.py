@@ -9,6 +9,7 @@ save, so the newest checkpoint stays the last good state. Config numbers must be
 import contextlib
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -47,11 +48,11 @@ def _run(rank, world, cfg, root, poison, fused=False):
     the first element of rank 0's shard of flat i is NaN from step `from` until before step `to`
     (None: for good). Returns the result, the error, what was printed and the state around step
     3."""
-    import trainer.loop as loop
+    import trainer.step as recipe
     from trainer.loop import DivergenceError, Trainer, WorkerContext
 
     bad_loss = set(poison.get("loss", ()))
-    real_loss_sum = loop.loss_sum
+    real_loss_sum = recipe.loss_sum  # the train step's (evaluation's stays finite)
     seen, trainer, saved = {}, [None], {}
 
     def loss_sum(*a, **kw):
@@ -72,7 +73,7 @@ def _run(rank, world, cfg, root, poison, fused=False):
             shard.data[0] = saved["value"]
             seen[step] = _state(t)  # as restored
 
-    loop.loss_sum = loss_sum
+    recipe.loss_sum = loss_sum
     if fused:  # the CUDA path (found_inf on the device), run by the CPU's fused AdamW
         import trainer.optim as optim
 
@@ -89,7 +90,7 @@ def _run(rank, world, cfg, root, poison, fused=False):
     except DivergenceError as e:
         result, error = trainer[0].result, str(e)
     finally:
-        loop.loss_sum = real_loss_sum
+        recipe.loss_sum = real_loss_sum
         if fused:
             optim.implementation = real_impl
     return dict(
@@ -139,6 +140,18 @@ def test_max_bad_steps_in_a_row_stop_the_run_and_the_checkpoints_stay_finite(cfg
     assert sorted(found) == [2, 4] and all(c.problem is None for c in found.values())
     for c in found.values():
         assert verify(c.path, check_finite=True) == [], c.path
+
+
+def test_bad_steps_with_good_ones_between_do_not_stop_the_run(cfg, tmp_path):
+    """Five bad steps of eight, never train.max_bad_steps=3 of them in a row: each good step ends
+    the streak, so the run trains to the end (a streak that never reset would stop it at step 4)."""
+    assert cfg.train.max_bad_steps == 3
+    r = _run(0, 1, cfg, str(tmp_path / "ckpt"), {"loss": [1, 2, 4, 5, 7]})
+    assert r["error"] is None and r["steps"] == cfg.train.steps, r["printed"]
+    assert r["bad"] == [1, 2, 4, 5, 7]
+    streaks = re.findall(r"\((\d) of train.max_bad_steps=3 in a row\)", r["printed"])
+    assert streaks == ["1", "2", "1", "2", "1"], r["printed"]
+    assert not _same(r["before3"], r["before4"])  # step 3, between bad steps, was applied
 
 
 @pytest.mark.parametrize(

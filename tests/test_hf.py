@@ -1,4 +1,4 @@
-"""trainer/hf.py against transformers itself: tiny random Llama models built here (nothing is
+"""trainer/hf/ against transformers itself: tiny random Llama models built here (nothing is
 downloaded) in four shapes - plain, grouped-query attention, tied embeddings, Llama 3 rope
 scaling - import with the same logits, train the same at world sizes 1, 2 and 3 (each rank
 reading only its byte ranges), and export back into what AutoModelForCausalLM loads, bitwise

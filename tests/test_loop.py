@@ -2,19 +2,24 @@
 
 A run that stops at step 4 at world size 2 and resumes at world size 3 (then 1) must train the
 same steps with the same losses (1e-5 relative, fp32) as a run that never stopped: the global batch
-is constant, the data position is the step, and the checkpoint reshards.
+is constant, the data position is the step, and the checkpoint reshards. Evaluation reads the
+held-out split: letters that only held-out documents hold make its loss rise while training's falls.
 """
 
 import contextlib
 import copy
 import io
+import json
+import math
+import random
 import re
 
 import pytest
 
 from tests.dist_utils import run_distributed
 from trainer.config import ConfigError, TrainerConfig
-from trainer.data import prepare
+from trainer.data import PreparedData, find_dataset, prepare
+from trainer.data.preparation import _held_out
 
 STEPS = 8
 
@@ -46,6 +51,7 @@ def _train(rank, world, cfg, root, stop_at):
         start=r.start_step,
         steps=r.steps_done,
         last=r.last_checkpoint,
+        evals=r.eval_losses,
         printed=out.getvalue(),
     )
 
@@ -139,3 +145,45 @@ def test_the_per_step_line_has_every_figure_and_counts_steps_done(cfg, tmp_path)
         [loss for _, loss in r["losses"]], abs=1e-4
     )
     assert r["last"].endswith(f"step_{STEPS:09d}")
+
+
+TRAIN_LETTERS, EVAL_LETTERS = "abcdefghijklm ", "NOPQRSTUVWXYZ"  # no byte in common
+
+
+def _split_corpus(path, fraction: float, train_docs: int = 200, eval_docs: int = 60) -> None:
+    """JSONL documents of TRAIN_LETTERS that the preparation's held-out hash sends to train and
+    documents of EVAL_LETTERS that it sends to eval."""
+    rng, docs, want = random.Random(0), [], {False: train_docs, True: eval_docs}
+    while any(want.values()):
+        held_out = rng.random() < 0.5
+        text = "".join(rng.choice(EVAL_LETTERS if held_out else TRAIN_LETTERS) for _ in range(200))
+        if want[held_out] and _held_out(text, fraction) == held_out:
+            docs.append(text)
+            want[held_out] -= 1
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+
+
+def test_evaluation_reads_the_held_out_split(cfg, tmp_path):
+    """Held-out documents hold letters that no training document holds. Training on its split
+    lowers the loss below the uniform model's ln(256) and lowers the probability of every letter
+    it never sees, so the eval loss rises above ln(256): evaluation reading the training split
+    (or anything but the held-out one) would fall with the training loss instead."""
+    c = copy.deepcopy(cfg)
+    _split_corpus(tmp_path / "docs.jsonl", fraction=0.5)
+    c.data.source, c.data.prepared_dir = str(tmp_path / "docs.jsonl"), str(tmp_path / "prep")
+    c.data.max_bytes, c.data.eval_fraction, c.data.eval_sequences = 0, 0.5, 8
+    c.train.eval_every, c.train.checkpoint_every = 4, 0
+    c.validate()
+    prepare(c.data)
+    data = PreparedData.open(find_dataset(c.data.prepared_dir))
+    for split, letters in (("train", TRAIN_LETTERS), ("eval", EVAL_LETTERS)):  # the premise
+        stream = data.stream(0, split)
+        held = set(stream.read(0, len(stream)).tolist()) - {data.eod_id}
+        assert held == set(letters.encode()), (split, sorted(held))
+    r = run_distributed(_train, 2, c, str(tmp_path / "ckpt"), None)[0]
+    uniform = math.log(256)
+    assert [s for s, _ in r["evals"]] == [3, 7]
+    assert r["losses"][-1][1] < uniform - 1.0 < uniform < r["evals"][0][1] < r["evals"][-1][1], (
+        r["losses"],
+        r["evals"],
+    )

@@ -39,10 +39,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cluster import tracking
 from cluster.config import ClusterConfig, JobConfig
 from cluster.plan import main as plan_main
+from cluster.tracking import job as tracking
 from tests.dist_utils import run_distributed
+from tests.fsdp.scaffold import MODEL
 from trainer.config import (
     ConfigError,
     DataConfig,
@@ -68,8 +69,9 @@ from trainer.plan import (
 GiB = 2**30
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 BIG = 2**50  # device memory for plans that only compare numbers
-# 3 blocks with sizes no world size of 2 or 3 divides (padding on every unit), as tests/fsdp uses.
-UNEVEN = model_config("tiny", dim=36, n_layers=3, n_heads=3, ffn_dim=100, vocab_size=259)
+# The parity model of tests/fsdp (scaffold.MODEL): no unit divides by 3, so every unit pads at
+# world size 3 (none can pad at 2: every unit is a multiple of the even dim).
+UNEVEN = model_config("tiny", **MODEL)
 MID = model_config("tiny", dim=512, n_layers=8, n_heads=8, ffn_dim=1376)
 
 

@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from cluster.config import JobConfig
-from cluster.tracking import create_run
+from cluster.tracking.runs import create_run
 from trainer.metrics import NodeMetrics
 
 

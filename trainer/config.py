@@ -78,7 +78,7 @@ class ModelConfig:
     hf_path: Optional[str] = None
     """A Hugging Face Llama checkpoint (a folder or pyarrow.fs URI holding config.json and
     model.safetensors or model.safetensors.index.json): the shape above comes from its config.json
-    and a run with nothing to resume starts from its weights (trainer/hf.py). model=hf sets it."""
+    and a run with nothing to resume starts from its weights (trainer/hf/). model=hf sets it."""
 
     def validate(self) -> None:
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
@@ -344,7 +344,7 @@ class TrainConfig:
     restart resumes from memory, at any world size. null: as often as the copy hides behind
     compute (a snapshot at every step where the previous one has been sent), which under Ray
     means on GPU workers only (on CPU workers the copy competes with training for the CPUs:
-    cluster/worker.py snapshots_on); 0: none."""
+    `snapshots_on`); 0: none."""
     eval_every: int = 0
     """Evaluate the loss on data.eval_sequences held-out sequences every this many steps and at
     the end (0 = never; needs data.eval_fraction > 0)."""
@@ -376,6 +376,14 @@ class TrainConfig:
             fail("train.eval_every", self.eval_every, "an integer >= 0 (0 = never)")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("train.device", self.device, "auto, cpu or cuda")
+
+    def snapshots_on(self, gpu_workers: bool) -> bool:
+        """Whether in-memory snapshots are taken (where a launcher offers somewhere to keep
+        them): snapshot_every N > 0 always, 0 never, null on GPU workers only. On CPU workers
+        the training itself uses the CPUs the background copy would need (benchmarks.snapshots:
+        1.44-1.47x the step time), so null means none there; set N to have them anyway."""
+        every = self.snapshot_every
+        return every != 0 and (every is not None or gpu_workers)
 
 
 @dataclass

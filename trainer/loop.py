@@ -21,9 +21,7 @@ close (the last save committed and reported). The invariants that make it elasti
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -31,7 +29,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.checkpointing import Checkpointer, data_identity, has_checkpoint
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.resume import data_identity, has_checkpoint
 from trainer.config import DType, TrainerConfig
 from trainer.data import (
     EVAL_TAG,
@@ -46,10 +45,13 @@ from trainer.device import resolve_device
 from trainer.fsdp import NO_INIT, build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import load_params
+from trainer.guard import DivergenceError, DivergenceGuard  # noqa: F401 -- DivergenceError: the loop's error
 from trainer.hf import HFWeights, resolve_model
-from trainer.metrics import MetricsLogger, NullLogger, step_metrics
+from trainer.metrics import MetricsLogger, NullLogger, print0
 from trainer.model import build_model, flops_per_token, initializer, loss_sum
-from trainer.optim import build_optimizer, guarded_step, lr_at, set_lr
+from trainer.optim import build_optimizer, lr_at
+from trainer.progress import StepReport
+from trainer.step import train_step
 
 
 @dataclass
@@ -106,12 +108,6 @@ class TrainResult:
     bad_steps: list = field(default_factory=list)  # steps skipped: non-finite loss or grad norm
 
 
-class DivergenceError(RuntimeError):
-    """The run diverged: train.max_bad_steps steps in a row had a non-finite loss or gradient
-    norm, or the parameters or optimizer state are non-finite. Restarting from the last
-    checkpoint with the same configuration would repeat it, so it is not a failure to retry."""
-
-
 class Trainer:
     """One rank's run: the data, the wrapped model, the optimizer and checkpointing."""
 
@@ -164,16 +160,20 @@ class Trainer:
             resume_from=ctx.resume_from,
             snapshot_root=ctx.snapshot_root,
             on_commit=ctx.on_checkpoint,
-            log=self.print0,
+            may_write=ctx.may_write,
+            log=print0,
             data_identity=data_identity(cfg, self.data.digest),
             tokenizer=self.data.tokenizer_info(),
         )
         self.step = 0
         self.loader: Optional[Loader] = None
         self.result = TrainResult(0, float("nan"))
-        self._unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, bad)
-        self._bad_streak = 0  # non-finite steps in a row, as read back
-        self._since = (time.perf_counter(), 0)  # (time, step) of the last logged step
+        self.guard = DivergenceGuard(
+            t.max_bad_steps, self.result, self.checkpointer.last_good_step, log=print0
+        )
+        self.report = StepReport(
+            cfg, self.world, self.device, self.log, self.global_tokens, self.flops_per_token
+        )
 
     def load_hf_weights(self) -> None:
         """Start from the Hugging Face checkpoint at model.hf_path: each rank reads the byte
@@ -181,7 +181,7 @@ class Trainer:
         t0 = time.perf_counter()
         weights = HFWeights(self.cfg.model.hf_path, self.cfg.model)
         load_params(self.model, lambda fqn, start, n: weights.read(fqn, start, n).to(self.device))
-        self.print0(
+        print0(
             f"initialised from {self.cfg.model.hf_path} in {time.perf_counter() - t0:.1f} s "
             f"({weights.bytes_read / 2**20:,.1f} MiB read by rank 0)"
         )
@@ -196,7 +196,7 @@ class Trainer:
         total = torch.cuda.get_device_properties(self.device).total_memory
         p = check_fits(self.cfg, self.world, total, self.ctx.local_world_size, headroom=True)
         if p.sharded_grad_accumulation and not self.cfg.sharding.sharded_grad_accumulation:
-            self.print0(
+            print0(
                 f"memory: {self.cfg.train.micro_batches} micro-batches of unsharded gradients do "
                 "not fit; reducing every micro-batch into the gradient shards instead "
                 "(sharding.sharded_grad_accumulation=true)"
@@ -210,13 +210,12 @@ class Trainer:
         if self.checkpointer.resumed_from is None and self.cfg.model.hf_path:
             self.load_hf_weights()
         self.loader = self.make_loader()
-        self._since = (time.perf_counter(), self.step)  # the clock of the next logged step
-        self._started = (self._since[0], self.step)  # elapsed time and the ETA's rate
-        self.checkpointer.before_save = self.check_finite_state
-        self.checkpointer.may_write = self.ctx.may_write
+        self.report.start(self.step)
         try:
             self._train()
-            self.read_losses()
+            self.guard.read()
+            if self.checkpointer.save_due(self.step, closing=True):  # the last step trained
+                self.checkpointer.save(self.step, loss=self.check_finite_state(self.step))
             r.last_checkpoint = self.checkpointer.close(self.step)
         except DivergenceError:
             self.checkpointer.abandon()  # the save in flight (a finite state) commits; no more
@@ -230,19 +229,18 @@ class Trainer:
         self.checkpointer.check_may_write("training")
         while self.step < self.cfg.train.steps:
             if self.stop_requested():
-                self.print0(
-                    f"stop requested at step {self.step}: saving a checkpoint before leaving"
-                )
+                print0(f"stop requested at step {self.step}: saving a checkpoint before leaving")
                 break
             if self.ctx.before_step is not None:
                 self.ctx.before_step(self.step)
             loss, norm, bad = self.train_step()
-            self._unread.append((self.step - 1, loss, bad))
-            if self.is_log_step():
-                seconds = self.step_seconds()  # before evaluating: eval is not a train step
-                self.log_step(norm, seconds, self.maybe_evaluate())
-                self._since = (time.perf_counter(), self.step)
-            self.checkpointer.after_step(self.step)
+            self.guard.push(self.step - 1, loss, bad)
+            if self.report.due(self.step, self.eval_due()):
+                self.log_step(norm)
+            if self.checkpointer.save_due(self.step):  # once the state is known finite
+                self.checkpointer.save(self.step, loss=self.check_finite_state(self.step))
+            else:
+                self.checkpointer.after_step(self.step)  # reports a commit; snapshots if due
 
     def make_loader(self) -> Loader:
         """This rank's micro-batches from the current step on, prepared ahead in a background
@@ -260,38 +258,34 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward/backward over this rank's micro-batches, clip, optimizer step. Returns (mean
-        token loss, grad norm, bad) as device scalars: nothing in the step waits for the device
-        (batches come from pinned memory with non_blocking copies; only an fp16 overflow check
-        reads a flag back). They are read on logging steps. `bad`: the loss or the norm is not
-        finite (both are global, so every rank agrees) and the update was not applied."""
-        n_micro = self.cfg.train.micro_batches
-        set_lr(self.optimizer, lr_at(self.cfg.optim, self.cfg.train.steps, self.step))
-        loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for k, mb in enumerate(self.loader.next(self.step)):
+        """This rank's micro-batches of the step through trainer/step.py's one recipe. Returns
+        (mean token loss, grad norm, bad) as device scalars: nothing in the step waits for the
+        device (batches come from pinned memory with non_blocking copies; only an fp16 overflow
+        check reads a flag back). They are read on logging steps. `bad`: the loss or the norm is
+        not finite (both are global, so every rank agrees) and the update was not applied."""
+        out = train_step(
+            self.model,
+            self.optimizer,
+            self._micro_batches(),
+            global_tokens=self.global_tokens,
+            grad_clip=self.cfg.optim.grad_clip,
+            scaler=self.scaler,
+            world=self.world,
+            device=self.device,
+            lr=lr_at(self.cfg.optim, self.cfg.train.steps, self.step),
+        )
+        self.step += 1
+        return out.loss, out.norm, out.bad
+
+    def _micro_batches(self):
+        """(inputs, targets, weight) of this rank's micro-batches of the step, on the device."""
+        for mb in self.loader.next(self.step):
             if self.ctx.record_samples and mb.weight:
                 self.result.samples += [
                     (self.step, int(s), int(i)) for s, i in zip(mb.sources, mb.sample_ids)
                 ]
             mb = mb.to(self.device, non_blocking=True)
-            sync = k == n_micro - 1
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                s, _ = loss_sum(self.model(mb.inputs), mb.targets, mb.weight)
-                self.scaler.scale_loss(s / self.global_tokens).backward()
-            loss_total += s.detach()
-        found_inf = self.scaler.unscale_and_check(self.model.grad_shards(), self.world, self.device)
-        norm = self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
-        if self.world > 1:
-            dist.all_reduce(loss_total)
-        bad = ~(torch.isfinite(loss_total) & torch.isfinite(norm))
-        if found_inf:  # fp16 overflow on any rank: every rank skips this step, the scale drops
-            bad = torch.zeros_like(bad)  # the scaler's business, not a divergence
-        else:
-            guarded_step(self.optimizer, bad)
-        self.scaler.update(found_inf)
-        self.model.zero_grad()
-        self.step += 1
-        return loss_total / self.global_tokens, norm, bad
+            yield mb.inputs, mb.targets, mb.weight
 
     def eval_due(self) -> bool:
         every = self.cfg.train.eval_every
@@ -322,46 +316,10 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag.item())
 
-    def read_losses(self) -> float:
-        """Bring the losses and bad-step flags of the steps since the last read to the host (one
-        device sync); raise DivergenceError at train.max_bad_steps bad steps in a row (every
-        rank reads the same flags at the same steps, so all raise together)."""
-        unread, self._unread = self._unread, []
-        if not unread:
-            return self.result.final_loss
-        values = torch.stack([t.float() for _, t, _ in unread]).tolist()
-        flags = torch.stack([b for _, _, b in unread]).tolist()
-        limit = self.cfg.train.max_bad_steps
-        for (step, _, _), value, bad in zip(unread, values, flags):
-            self.result.losses.append((step, value))
-            self.result.final_loss = value
-            if not bad:
-                self._bad_streak = 0
-                continue
-            self._bad_streak += 1
-            self.result.bad_steps.append(step)
-            self.print0(
-                f"step {step + 1}: loss {value} or its gradient norm is not finite: update not "
-                f"applied ({self._bad_streak} of train.max_bad_steps={limit} in a row)"
-            )
-            if self._bad_streak >= limit:
-                raise DivergenceError(
-                    f"training diverged: {limit} steps in a row (steps {step - limit + 2} to "
-                    f"{step + 1}) "
-                    f"had a non-finite loss or gradient norm (last loss {value}); none was "
-                    f"applied and nothing after step {self.checkpointer.last_good_step()} was "
-                    "saved. Lower optim.lr, raise optim.warmup_steps or check the data, then "
-                    "resume (the newest checkpoint is the last good state)"
-                )
-        return self.result.final_loss
-
-    def check_finite_state(self, step: int) -> None:
-        """Before saving `step`: the bad-step flags are read (a streak raises), and the
-        parameters and optimizer state must be finite on every rank, else DivergenceError and
-        nothing is saved. min/max reductions (a NaN propagates, an inf is an extreme): no
-        temporary the size of a tensor."""
-        self.read_losses()
-        self.checkpointer.last_loss = self.result.final_loss
+    def check_finite_state(self, step: int) -> float:
+        """Before saving `step`: the bad-step flags are read (a streak raises) and the parameter
+        shards and optimizer state must be finite on every rank (trainer/guard.py), else
+        DivergenceError and nothing is saved. Returns the loss the checkpoint records."""
         tensors = [f.shard for f in self.model.flats()]
         tensors += [
             v
@@ -369,114 +327,24 @@ class Trainer:
             for v in st.values()
             if torch.is_tensor(v) and v.is_floating_point() and v.numel() > 1
         ]
-        ok = torch.ones((), dtype=torch.float32, device=self.device)
-        for t in tensors:
-            if t.numel():
-                lo, hi = torch.aminmax(t.detach())
-                ok = ok * (torch.isfinite(lo) & torch.isfinite(hi)).to(ok.device, torch.float32)
-        if self.world > 1:
-            flag = ok.cpu()
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
-            ok = flag
-        if not bool(ok):
-            raise DivergenceError(
-                f"not saving step {step}: the parameters or optimizer state are not finite on "
-                f"at least one rank (the last update overflowed, though its loss and gradient "
-                f"norm were finite). Nothing after step {self.checkpointer.last_good_step()} was "
-                "saved; lower optim.lr or raise optim.warmup_steps, then resume"
-            )
+        self.guard.check_finite(step, tensors, self.device, self.world, self.control)
+        return self.result.final_loss
 
-    def is_log_step(self) -> bool:
-        """Every train.log_every steps, the last step and every evaluation step."""
-        step = self.step - 1  # the step just trained
-        return (
-            step % self.cfg.train.log_every == 0
-            or self.step == self.cfg.train.steps
-            or self.eval_due()
-        )
-
-    def step_seconds(self) -> float:
-        """Seconds per step since the last logged one. The host waits for the device here (and
-        on logging steps only): the losses come back, so every step up to this one has finished
-        and the wall time is right on a GPU, where a step's kernels finish long after the host
-        queued them. Checkpoint snapshots taken meanwhile are part of it; evaluations are not."""
-        self.read_losses()
-        return (time.perf_counter() - self._since[0]) / max(1, self.step - self._since[1])
-
-    def log_step(self, norm: torch.Tensor, seconds: float, eval_loss: Optional[float]) -> None:
-        """One line on rank 0, metrics to MLflow."""
-        step = self.step - 1  # the step just trained
-        loss, norm = self.result.final_loss, float(norm)
-        m = step_metrics(
-            loss=loss,
-            lr=lr_at(self.cfg.optim, self.cfg.train.steps, step),
-            grad_norm=norm,
-            seconds=seconds,
-            tokens=self.global_tokens,
-            flops_per_token=self.flops_per_token,
-            world_size=self.world,
-            device=self.device,
-            param_dtype=self.cfg.sharding.param_dtype,
-        )
-        m.update(self.model.metrics(self.optimizer))
+    def log_step(self, norm: torch.Tensor) -> None:
+        """The step line on rank 0 and the step's metrics to MLflow (trainer/progress.py). The
+        losses are read back first: the host waits for the device here, on logging steps only,
+        so the time per step is right on a GPU too. Evaluation is not counted as a train step."""
+        self.guard.read()
+        seconds = self.report.seconds_per_step(self.step)
+        eval_loss = self.maybe_evaluate()
+        m = self.model.metrics(self.optimizer)
         m.update(self.checkpointer.metrics())  # snapshot/*: the last in-memory snapshot
         m["train/bad_steps"] = float(len(self.result.bad_steps))  # skipped, non-finite, so far
-        evaluated = ""
-        if eval_loss is not None:
-            m["eval/loss"], m["eval/perplexity"] = eval_loss, math.exp(min(eval_loss, 80.0))
-            evaluated = f" | eval {eval_loss:.4f}"
-        if self.ctx.after_step is not None:
-            m.update(self.ctx.after_step(step, m) or {})
-        m.update(memory_metrics(self.device))
-        self.print0(self.step_line(loss, norm, m, evaluated))
-        self.log.log_metrics(m, step=self.step)  # "step N": N optimizer steps done, everywhere
-
-    def step_line(self, loss: float, norm: float, m: dict, evaluated: str) -> str:
-        """`step 120/2000 | loss | lr | gnorm | tok/s | ms | TFLOPs (MFU) | memory | elapsed, ETA
-        | world`: the figures a person watching the run wants, on one line. Step N is N optimizer
-        steps done, as in MLflow, the checkpoint directory names and Ray's reports."""
-        total, done = self.cfg.train.steps, self.step
-        elapsed = time.perf_counter() - self._started[0]
-        eta = m["perf/step_ms"] / 1000 * (total - done)  # at the latest rate
-        mfu = f" MFU {m['perf/mfu']:.1%}" if "perf/mfu" in m else ""
-        return (
-            f"step {done:{len(str(total))}d}/{total} | loss {loss:.4f}{evaluated} | "
-            f"lr {m['train/lr']:.2e} | "
-            f"gnorm {norm:.3f} | {m['perf/tokens_per_s']:,.0f} tok/s | "
-            f"{m['perf/step_ms']:.1f} ms | {m['perf/tflops_per_worker']:.3g} TFLOPs/worker{mfu} | "
-            f"mem {memory_text(m)} | {_clock(elapsed)} elapsed, ETA "
-            f"{_clock(eta)} | world {self.world}"
-        )
-
-    def print0(self, msg: str) -> None:
-        if self.rank == 0:
-            print(msg, flush=True)
-
-
-def memory_metrics(device: torch.device) -> dict[str, float]:
-    """The measured peak of this worker: the device's max_memory_allocated (and its size) on
-    CUDA; on a CPU, the process's resident-set high-water mark (everything the process holds:
-    Python, torch, the data loader), not only tensors."""
-    if device.type == "cuda":
-        return {
-            "mem/device_max_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
-            "mem/device_total_bytes": float(torch.cuda.get_device_properties(device).total_memory),
-        }
-    import resource  # noqa: PLC0415 -- POSIX only; a CPU worker
-
-    return {"mem/rss_peak_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
-
-
-def memory_text(m: dict) -> str:
-    if "mem/device_max_allocated_bytes" in m:
-        used, total = m["mem/device_max_allocated_bytes"], m["mem/device_total_bytes"]
-        return f"{used / 2**30:.2f} GiB ({used / total:.0%} of {total / 2**30:.0f})"
-    return f"{m['mem/rss_peak_bytes'] / 2**30:.2f} GiB RSS peak"
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        self.report.log(
+            self.step, self.result.final_loss, float(norm), seconds, m, eval_loss,
+            self.ctx.after_step,
+        )  # fmt: skip
+        self.report.logged(self.step)
 
 
 def evaluate(

@@ -1,6 +1,6 @@
 """Worker-side metrics: rank 0 logs into the driver's MLflow run, every other rank logs nowhere.
 
-The driver creates the run (cluster/tracking.py) and passes its id to the workers; rank 0 attaches
+The driver creates the run (cluster/tracking/) and passes its id to the workers; rank 0 attaches
 to it with `MLflowLogger` and every other rank gets a `NullLogger`, so the loop never asks
 "am I rank 0?" before logging. Workers never start a run of their own: a restarted worker group
 (elastic resize, failure) keeps logging into the same run, keyed by the global optimizer step, and

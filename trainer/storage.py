@@ -65,7 +65,7 @@ def register_scheme(scheme: str, factory: SchemeFactory) -> None:
     """Open 'scheme://...' URIs with `factory(uri) -> (filesystem, path)` instead of pyarrow.
 
     For filesystems pyarrow cannot build from a URI (e.g. the in-memory snapshot keepers of
-    cluster/elastic/snapshots.py), so that the checkpoint code, which only ever calls `resolve`,
+    cluster/snapshots/keeper_fs.py), so that the checkpoint code, which only ever calls `resolve`,
     runs on them unchanged. A registered scheme takes precedence over pyarrow's own; registering
     it again replaces the factory (each process registers what it needs, possibly twice).
     """

@@ -12,7 +12,7 @@ WorkerContext hooks that cluster/worker.py wires up:
   reclaim, the drill above) or Ray's preemption notice (what ray.train.get_preemption_info
   returns) makes the loop commit a checkpoint of the current step and leave, so a graceful leave
   loses no step. The handler is installed in each worker's main thread by `SigtermCallback`
-  (Python only lets that thread); `leave` then ends the process of a rank that was asked to go.
+  (Python only lets that thread).
 - `ClusterView` (cluster_view.py, a Ray Train controller callback, elastic runs only): Ray sizes
   an elastic group from a view of the nodes it renews every 20 s and that counts nodes being
   drained: a restart after a node loss or a preemption would ask for the leaving node and wait
@@ -29,80 +29,12 @@ WorkerContext hooks that cluster/worker.py wires up:
   tore it down and began the next, so the tracker can split the "ray restart" phase.
 - `replace_rays_watcher` (preemption.py, the driver): Ray Train's preemption watcher, started
   without the ERROR line Ray's own start logs at every worker-group start.
+- `leave_gracefully` (leave.py): how the group leaves once the loop stopped early (the record,
+  the answer to the controller, who must go, the keeper of a leaving node, then together).
+- `SpareRequest` and `preload` (spares.py): spare worker processes, started and warmed ahead
+  on each node, so that a restarted group does not wait for Python's imports.
 
-The run folder (run_folder.py) is Ray Train's (<storage_path>/<run_name>, a local path or any
-pyarrow filesystem):
-
-    elastic/fault.json                the fired fault: kind, rank, step, time
-    elastic/drain_request.json        the controller's drain request before a grow (grow.py)
-    elastic/drain_ack.json            rank 0's answer once the drain's checkpoint committed
-    elastic/controller_clock.json     the controller's times of the last group start (clock.py)
-    elastic/attempts/<start ns>.json  one worker-group start: launch, world size, start step,
-                                      progress (last step trained and when), recovery figures
+Their documents live in the run folder's elastic/ folder (cluster/run/folder.py lists them).
+This package's __init__ imports nothing: most of its modules import Ray Train, and the driver
+and the spares' preload import only the modules they use.
 """
-
-from __future__ import annotations
-
-import importlib
-
-from cluster.elastic.clock import RestartClock
-from cluster.elastic.drain import (
-    WORKER_TIMES,
-    DrainedError,
-    DrainWatcher,
-    SigtermCallback,
-    install_sigterm_handler,
-    leave,
-    preemption_notice,
-    training,
-)
-from cluster.elastic.faults import DRAIN_ACK_TIMEOUT_S, FAULT_MARKER, FaultInjector
-from cluster.elastic.grow import DrainRequests, GrowDrain
-from cluster.elastic.preemption import replace_rays_watcher
-from cluster.elastic.run_folder import ELASTIC_DIR, RunFolder
-from cluster.elastic.tracker import ATTEMPTS_DIR, ElasticTracker, chain
-
-# The controller's callbacks load Ray Train's scaling policy, and with it Ray Data (a quarter of a
-# second, more on a busy node): imported when first used, so a worker restart does not pay it.
-_CONTROLLER_SIDE = {
-    "COORDINATOR": "cluster.elastic.cluster_view",
-    "ClusterView": "cluster.elastic.cluster_view",
-    "count_usable_nodes_only": "cluster.elastic.cluster_view",
-    "workers_that_fit": "cluster.elastic.cluster_view",
-    "cluster_view": "cluster.elastic.cluster_view",
-}
-
-
-def __getattr__(name: str):
-    if name in _CONTROLLER_SIDE:
-        module = importlib.import_module(_CONTROLLER_SIDE[name])
-        return module if name == "cluster_view" else getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "ATTEMPTS_DIR",
-    "COORDINATOR",
-    "DRAIN_ACK_TIMEOUT_S",
-    "ELASTIC_DIR",
-    "FAULT_MARKER",
-    "WORKER_TIMES",
-    "ClusterView",
-    "RestartClock",
-    "DrainWatcher",
-    "DrainedError",
-    "ElasticTracker",
-    "FaultInjector",
-    "RunFolder",
-    "SigtermCallback",
-    "chain",
-    "count_usable_nodes_only",
-    "DrainRequests",
-    "GrowDrain",
-    "install_sigterm_handler",
-    "leave",
-    "preemption_notice",
-    "replace_rays_watcher",
-    "training",
-    "workers_that_fit",
-]

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-from cluster.elastic.run_folder import RunFolder
+from cluster.run.folder import RunFolder
 
 CLOCK = "controller_clock.json"
 """elastic/controller_clock.json: the controller's times of the last group start."""

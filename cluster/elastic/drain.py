@@ -4,7 +4,7 @@ A SIGTERM to the worker (Kubernetes, a spot reclaim, the drain drill) or Ray's p
 (what ray.train.get_preemption_info returns) makes the loop commit a checkpoint of the current
 step and leave, so a graceful leave loses no step. The handler is installed in each worker's main
 thread by `SigtermCallback` (Python only lets that thread); `DrainWatcher` is the loop's
-should_stop; `leave` then ends the process of a rank that was asked to go.
+should_stop. How the group then leaves: leave.py.
 """
 
 from __future__ import annotations
@@ -157,21 +157,6 @@ class DrainWatcher:
     @staticmethod
     def wait_for_sigterm(timeout: float) -> bool:
         return _Sigterm.requested.wait(timeout)
-
-
-def leave(
-    drain: DrainWatcher, message: str, exit_process: Callable[[int], None] = os._exit
-) -> None:
-    """After a graceful stop (the checkpoint is committed): end the run of this worker group.
-
-    A rank that was itself asked to go ends its process: its node (drained or preempted) then
-    goes idle, and its raylet exits, so the next group is sized without it. The other ranks
-    raise DrainedError: returning would tell Ray that training is finished."""
-    if drain.leaving:
-        print(f"{message}; this process exits", flush=True)
-        exit_process(0)
-        return  # only a test's exit_process returns
-    raise DrainedError(message)
 
 
 def preemption_notice() -> Callable[[], object]:

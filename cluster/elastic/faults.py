@@ -13,7 +13,7 @@ from typing import Callable
 
 from cluster.config import FaultConfig
 from cluster.elastic.drain import DrainWatcher
-from cluster.elastic.run_folder import RunFolder
+from cluster.run.folder import RunFolder
 
 FAULT_MARKER = "fault.json"
 DRAIN_ACK_TIMEOUT_S = 60.0

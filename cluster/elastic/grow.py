@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from cluster.elastic.run_folder import RunFolder
+from cluster.run.folder import RunFolder
 
 REQUEST = "drain_request.json"
 ACK = "drain_ack.json"

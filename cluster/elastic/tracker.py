@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from cluster.elastic.clock import CLOCK, ray_phases
 from cluster.elastic.faults import FAULT_MARKER
-from cluster.elastic.run_folder import RunFolder
+from cluster.run.folder import RunFolder
 
 ATTEMPTS_DIR = "attempts"
 
@@ -58,7 +58,7 @@ class ElasticTracker:
         function started: Ray's backend set up the process group in between), 'imported' (the
         training stack is imported and the logger attached). `startup`: the driver's phases
         (LaunchInfo.startup), for the start-up line of the launch's first group. `process`:
-        when this process started and preloaded (cluster/spares.py this_process; None where
+        when this process started and preloaded (elastic/spares.py this_process; None where
         spares are off)."""
         self.folder, self.clock = folder, clock
         self.startup = startup

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
-from trainer.checkpointing import Snapshots
+from trainer.checkpoint.snapshots import Snapshots
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from tests.fsdp.scaffold import BATCH_SEQ, WD, batch, optimizer, wrap
 from trainer.checkpoint import CheckpointReader, CheckpointWriter
+from trainer.checkpoint.checkpointer import load_state, state_chunks
 from trainer.checkpoint.keys import optim_key, param_key
-from trainer.checkpointing import load_state, state_chunks
 from trainer.fsdp.state import full_parameters, optim_pieces
 from trainer.model import loss_sum
 

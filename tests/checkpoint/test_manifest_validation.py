@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _state(step: int) -> dict:
-    """What the trainer stores (trainer.checkpointing.TrainerState), small."""
+    """What the trainer stores (trainer.checkpoint.trainer_state.TrainerState), small."""
     return {
         "step": step,
         "consumed_samples": 8 * step,

@@ -14,9 +14,9 @@ from cluster.config import (
     job_to_dict,
     register_schemas,
     to_job_config,
-    with_absolute_paths,
 )
-from cluster.ray_launch import build_trainer, local_num_cpus
+from cluster.launch import build_trainer, local_num_cpus
+from cluster.preflight import with_absolute_paths
 from trainer.config import PRESETS, ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

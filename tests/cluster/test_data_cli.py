@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from tests.cluster.conftest import REPO, run_cli
 from tests.cluster.test_config_errors import assert_failed_before_start
 from trainer.checkpoint import CheckpointWriter, TensorChunk
-from trainer.checkpointing import model_digest
+from trainer.checkpoint.trainer_state import model_digest
 from trainer.config import DataConfig, model_config
 from trainer.data import PreparedData, prepare, train_tokenizer
 

@@ -7,8 +7,8 @@ next). Every event falls at a random step (DRILL_SEED, printed, replays them). T
 compared step by step with the same config trained without Ray and without interruption, at the
 same world sizes (tests/cluster/elastic_reference.py says why):
 
-1. Fixed at 2 workers, with spare worker processes (cluster/spares.py). Rank 1 crashes (fault
-   config): Ray restarts the group in the spares, and it resumes from the newest complete
+1. Fixed at 2 workers, with spare worker processes (cluster/elastic/spares.py). Rank 1 crashes
+   (fault config): Ray restarts the group in the spares, and it resumes from the newest complete
    snapshot, losing at most the steps since it. Then rank 0 gets a
    SIGTERM: the group checkpoints the step it is at (durably) and leaves, and Ray restarts it
    from there. A second SIGTERM is the third failure with cluster.max_failures=2, so the run

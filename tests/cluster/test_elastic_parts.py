@@ -19,9 +19,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster import elastic
 from cluster.config import FaultConfig
-from cluster.elastic import DrainWatcher, ElasticTracker, FaultInjector, RunFolder, chain
+from cluster.elastic import clock as controller_clock
+from cluster.elastic import cluster_view
+from cluster.elastic.clock import RestartClock
+from cluster.elastic.cluster_view import ClusterView, count_usable_nodes_only, workers_that_fit
+from cluster.elastic.drain import DrainedError, DrainWatcher
+from cluster.elastic.faults import FAULT_MARKER, FaultInjector
+from cluster.elastic.grow import DrainRequests, GrowDrain
+from cluster.elastic.leave import leave
+from cluster.elastic.tracker import ATTEMPTS_DIR, ElasticTracker, chain
+from cluster.run.folder import RunFolder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,11 +87,11 @@ def test_crash_fires_once_per_run_on_its_rank_at_its_step(folder):
     on_rank_1 = FaultInjector(fault, 1, folder, exit_process=exits.append)
     for step in range(8):
         on_rank_0(step)
-    assert exits == [] and not folder.exists(elastic.FAULT_MARKER)
+    assert exits == [] and not folder.exists(FAULT_MARKER)
     for step in range(8):
         on_rank_1(step)
     assert exits == [1]
-    marker = folder.read(elastic.FAULT_MARKER)
+    marker = folder.read(FAULT_MARKER)
     assert (marker["kind"], marker["rank"], marker["step"]) == ("crash", 1, 5)
     # The restarted group (a new injector, the same run folder) trains step 5 like any other.
     again = FaultInjector(fault, 1, folder, exit_process=exits.append)
@@ -97,7 +105,7 @@ def test_disabled_fault_never_fires(folder):
     injector = FaultInjector(FaultConfig(), 0, folder, exit_process=exits.append)
     for step in range(10):
         injector(step)
-    assert exits == [] and not folder.exists(elastic.FAULT_MARKER)
+    assert exits == [] and not folder.exists(FAULT_MARKER)
 
 
 # ---- graceful drain ---------------------------------------------------------------------------
@@ -124,16 +132,16 @@ def test_only_the_ranks_a_preemption_names_leave_their_process_the_others_raise(
         watcher = DrainWatcher(rank, preemption_info=lambda: notice)
         assert watcher() and watcher.leaving == (rank == 1)
         if rank == 1:
-            elastic.leave(watcher, "rank 1 left", exit_process=exits.append)
+            leave(watcher, "rank 1 left", exit_process=exits.append)
         else:
-            with pytest.raises(elastic.DrainedError, match="rank 0 left"):
-                elastic.leave(watcher, "rank 0 left", exit_process=exits.append)
+            with pytest.raises(DrainedError, match="rank 0 left"):
+                leave(watcher, "rank 0 left", exit_process=exits.append)
     assert exits == [0]
 
 
 def _agree_who_leaves(rank: int, world: int) -> list[bool]:
     """Rank 1's node is preempted; only rank 0 has Ray's notice when the group stops."""
-    from cluster.worker import agree_who_leaves  # noqa: PLC0415 -- next to its test
+    from cluster.elastic.leave import agree_who_leaves  # noqa: PLC0415 -- next to its test
 
     notice = SimpleNamespace(preempted_ranks=[1], deadline_ms=None)
     watcher = DrainWatcher(rank, preemption_info=lambda: notice if rank == 0 else None)
@@ -169,14 +177,16 @@ def test_a_notice_that_came_after_the_stop_is_read_once_more_on_every_rank():
 
 SIGTERM_CHILD = textwrap.dedent("""
     import os, signal, sys, time
-    from cluster import elastic
     from cluster.config import FaultConfig
+    from cluster.elastic.drain import DrainWatcher, install_sigterm_handler, training
+    from cluster.elastic.faults import FaultInjector
+    from cluster.run.folder import RunFolder
 
-    elastic.install_sigterm_handler()
-    watcher = elastic.DrainWatcher(0)
-    folder = elastic.RunFolder.at(sys.argv[1])
-    drill = elastic.FaultInjector(FaultConfig(kill_rank=0, at_step=2, kind="drain"), 0, folder)
-    with elastic.training():
+    install_sigterm_handler()
+    watcher = DrainWatcher(0)
+    folder = RunFolder.at(sys.argv[1])
+    drill = FaultInjector(FaultConfig(kill_rank=0, at_step=2, kind="drain"), 0, folder)
+    with training():
         for step in range(5):
             if watcher():
                 print("stopped before step", step, "because", watcher.reason, "leaving",
@@ -247,7 +257,7 @@ def test_crash_recovery_counts_the_steps_since_the_checkpoint_and_times_from_the
     clock = Clock()
     first = start_group(folder, clock)
     train(first, clock, range(5))  # steps 0..4; the checkpoint holds 3 steps
-    folder.write(elastic.FAULT_MARKER, {"time": clock.t + 0.05})  # rank 1 died before step 5
+    folder.write(FAULT_MARKER, {"time": clock.t + 0.05})  # rank 1 died before step 5
     clock.t += 10.0
     second = start_group(folder, clock, world=2)  # the loop resumes at step 3
     clock.t += 2.0
@@ -271,15 +281,15 @@ def test_the_controllers_clock_splits_rays_restart_and_a_stale_one_is_not_used(
     first = start_group(folder, clock)
     train(first, clock, range(5))
     died = clock.t + 0.05
-    folder.write(elastic.FAULT_MARKER, {"time": died})
-    controller = elastic.RestartClock(folder, "L1")
+    folder.write(FAULT_MARKER, {"time": died})
+    controller = RestartClock(folder, "L1")
     at = {"t": died}
 
     def now_plus(dt):
         at["t"] += dt
         return at["t"]
 
-    monkeypatch.setattr(elastic.clock.time, "time", lambda: at["t"])
+    monkeypatch.setattr(controller_clock.time, "time", lambda: at["t"])
     now_plus(0.25)
     controller.before_controller_execute_failure_decision(object())
     now_plus(0.5)
@@ -310,7 +320,7 @@ def test_the_controllers_clock_splits_rays_restart_and_a_stale_one_is_not_used(
         capsys.readouterr().out
     )
     # The next failure finds the clock of the start before it: not this restart's, not used.
-    folder.write(elastic.FAULT_MARKER, {"time": clock.t + 0.05})
+    folder.write(FAULT_MARKER, {"time": clock.t + 0.05})
     clock.t += 5.0
     third = start_group(folder, clock)
     train(third, clock, range(3, 5))
@@ -386,7 +396,7 @@ def test_only_rank_0_keeps_a_record(folder):
     clock = Clock()
     tracker = start_group(folder, clock, rank=1)
     assert train(tracker, clock, range(3)) == [{}, {}, {}]
-    assert folder.names(elastic.ATTEMPTS_DIR) == []
+    assert folder.names(ATTEMPTS_DIR) == []
 
 
 def test_chain_calls_every_hook_in_order():
@@ -406,8 +416,8 @@ def test_workers_that_fit_count_only_alive_nodes_not_being_drained():
         {"NodeID": "c", "Alive": False, "Resources": {"CPU": 4.0, "GPU": 4.0}},
         {"NodeID": "d", "Alive": True, "Resources": {"CPU": 4.0, "GPU": 4.0}},
     ]
-    assert elastic.workers_that_fit({"CPU": 1.0, "GPU": 1.0}, nodes, draining={"d"}) == 2
-    assert elastic.workers_that_fit({"CPU": 2.0, "GPU": 0.0}, nodes, draining=set()) == 1 + 4 + 2
+    assert workers_that_fit({"CPU": 1.0, "GPU": 1.0}, nodes, draining={"d"}) == 2
+    assert workers_that_fit({"CPU": 2.0, "GPU": 0.0}, nodes, draining=set()) == 1 + 4 + 2
 
 
 def test_rays_policy_counts_what_the_usable_nodes_hold(monkeypatch):
@@ -426,12 +436,12 @@ def test_rays_policy_counts_what_the_usable_nodes_hold(monkeypatch):
         )
     cluster = {"nodes": [], "draining": []}
     monkeypatch.setattr(
-        elastic.cluster_view.ray,
+        cluster_view.ray,
         "nodes",
         lambda: [{"NodeID": n, "Alive": True, "Resources": {"CPU": 1.0}} for n in cluster["nodes"]],
     )
     monkeypatch.setattr(
-        elastic.cluster_view.ray._private.state.state,
+        cluster_view.ray._private.state.state,
         "get_draining_nodes",
         lambda: {n: 0 for n in cluster["draining"]},
     )
@@ -450,7 +460,7 @@ def test_rays_policy_counts_what_the_usable_nodes_hold(monkeypatch):
     # Preempted, lingering: the group runs on head alone; Ray reserved a bundle on "leaving".
     cluster.update(nodes=["head", "leaving"], draining=["leaving"])
     assert isinstance(decide(1, ["head", "leaving"]), ResizeDecision)  # Ray alone: grow onto it
-    assert elastic.count_usable_nodes_only() and elastic.count_usable_nodes_only()  # idempotent
+    assert count_usable_nodes_only() and count_usable_nodes_only()  # idempotent
     assert isinstance(decide(1, ["head", "leaving"]), NoopDecision)
     # Just told it will be preempted, the node still runs one of the 2 workers: no resize down
     # (it would tear the group down before its workers drain).
@@ -467,17 +477,15 @@ def test_rays_policy_counts_what_the_usable_nodes_hold(monkeypatch):
     # Back in service: the group grows onto it.
     cluster.update(nodes=["head", "leaving"], draining=[])
     assert decide(1, ["head", "leaving"]).num_workers == 2
-    assert not elastic.count_usable_nodes_only(None)
+    assert not count_usable_nodes_only(None)
 
 
 def test_cluster_view_lowers_a_decision_to_the_staying_nodes_but_never_below_min_or_above_ray(
     monkeypatch,
 ):
-    view = elastic.ClusterView(interval_s=1.0, min_workers=2)
+    view = ClusterView(interval_s=1.0, min_workers=2)
     for fits, decided, expected in [(2, 3, 2), (1, 3, 3), (4, 3, 3)]:
-        monkeypatch.setattr(
-            elastic.cluster_view, "workers_that_fit", lambda per_worker, fits=fits: fits
-        )
+        monkeypatch.setattr(cluster_view, "workers_that_fit", lambda per_worker, fits=fits: fits)
         decision = SimpleNamespace(num_workers=decided, resources_per_worker={"CPU": 1.0})
         view.before_controller_execute_resize_decision(decision)
         assert decision.num_workers == expected, (fits, decided)
@@ -487,10 +495,10 @@ def test_cluster_view_lowers_a_decision_to_the_staying_nodes_but_never_below_min
 
 
 def test_a_grow_drain_request_stops_rank_0_which_acks_once_its_checkpoint_committed(folder):
-    requests = elastic.DrainRequests(folder, "L1")
+    requests = DrainRequests(folder, "L1")
     watcher = DrainWatcher(0, requests=requests)
     assert not watcher()  # nothing asked yet
-    grow = elastic.GrowDrain(folder, timeout_s=30, launch_id="L1", poll_s=0.01)
+    grow = GrowDrain(folder, timeout_s=30, launch_id="L1", poll_s=0.01)
     answer = {}
 
     def controller():
@@ -507,7 +515,7 @@ def test_a_grow_drain_request_stops_rank_0_which_acks_once_its_checkpoint_commit
     thread.join(30)
     assert answer["ack"]["step"] == 17
     assert folder.read("drain_request.json")["id"] is None  # answered: no later group drains
-    later = DrainWatcher(0, requests=elastic.DrainRequests(folder, "L1"))
+    later = DrainWatcher(0, requests=DrainRequests(folder, "L1"))
     assert not later()
 
 
@@ -518,20 +526,20 @@ def test_a_group_that_does_not_answer_is_grown_anyway_after_the_timeout(folder):
         clock.t += 0.5
         return clock.t
 
-    grow = elastic.GrowDrain(folder, timeout_s=2.0, launch_id="L1", poll_s=0.0)
+    grow = GrowDrain(folder, timeout_s=2.0, launch_id="L1", poll_s=0.0)
     assert grow.drain("resize to 2", clock=ticking) is None
     assert folder.read("drain_request.json")["id"] is None
-    assert elastic.GrowDrain(folder, timeout_s=0, launch_id="L1").drain("off") is None
+    assert GrowDrain(folder, timeout_s=0, launch_id="L1").drain("off") is None
 
 
 def test_a_request_another_launch_left_open_is_not_this_ones(folder):
     folder.write("drain_request.json", {"id": "x", "reason": "old", "launch": "L0"})
-    assert elastic.DrainRequests(folder, "L1")() is None
-    assert elastic.DrainRequests(folder, "L0")() == "old"
+    assert DrainRequests(folder, "L1")() is None
+    assert DrainRequests(folder, "L0")() == "old"
 
 
 def test_a_group_that_trained_to_the_end_answers_a_request_it_did_not_see(folder):
-    requests = elastic.DrainRequests(folder, "L1", every_s=3600.0)
+    requests = DrainRequests(folder, "L1", every_s=3600.0)
     assert requests() is None  # polled before the request: the next poll would be an hour later
     folder.write("drain_request.json", {"id": "late", "reason": "grow", "launch": "L1"})
     requests.finished(step=300)
@@ -541,7 +549,7 @@ def test_a_group_that_trained_to_the_end_answers_a_request_it_did_not_see(folder
 def test_an_object_store_is_asked_at_most_once_a_second(folder, monkeypatch):
     reads = []
     monkeypatch.setattr(folder, "read", lambda name: reads.append(name))
-    requests = elastic.DrainRequests(folder, "L1", every_s=1.0)
+    requests = DrainRequests(folder, "L1", every_s=1.0)
     for _ in range(50):
         requests()
     assert len(reads) == 1
@@ -559,10 +567,10 @@ def test_the_controller_drains_a_running_group_only_before_growing_it(monkeypatc
             return {"step": 5}
 
     grow = Grow()
-    view = elastic.ClusterView(interval_s=1e9, min_workers=1, grow=grow)
+    view = ClusterView(interval_s=1e9, min_workers=1, grow=grow)
     monkeypatch.setattr(view, "_refresh", lambda: None)
     fits = {"n": 1}
-    monkeypatch.setattr(elastic.cluster_view, "workers_that_fit", lambda per_worker: fits["n"])
+    monkeypatch.setattr(cluster_view, "workers_that_fit", lambda per_worker: fits["n"])
     state = {name: type(name, (), {})() for name in ("RunningState", "ResizingState")}
 
     def decide(n):
@@ -584,7 +592,7 @@ def test_the_controller_drains_a_running_group_only_before_growing_it(monkeypatc
     [(None, True, True), (None, False, False), (3, False, True), (3, True, True), (0, True, False)],
 )
 def test_snapshots_by_default_on_gpu_workers_only_and_always_when_asked(every, gpu, on):
-    from cluster.worker import snapshots_on  # noqa: PLC0415 -- next to its test
+    from cluster.config import snapshots_on  # noqa: PLC0415 -- next to its test
 
     cfg = SimpleNamespace(
         train=SimpleNamespace(snapshot_every=every), cluster=SimpleNamespace(use_gpu=gpu)
@@ -615,14 +623,14 @@ def test_a_process_started_after_a_trainer_was_built_still_starts_our_preemption
 
 
 def test_the_health_check_interval_is_ours_unless_the_user_set_it(monkeypatch):
-    from cluster import ray_launch
+    from cluster import launch as ray_launch
 
     monkeypatch.delenv(ray_launch.HEALTH_CHECK_ENV, raising=False)
     monkeypatch.delenv(ray_launch.HEALTH_CHECK_OURS, raising=False)
     assert ray_launch.set_health_check_interval(1.0) == "1"
     assert ray_launch.set_health_check_interval(0.5) == "0.5"  # ours: the next job's config
     # A child of this process inherits both: it applies its own config too.
-    child = "from cluster.ray_launch import set_health_check_interval as s; print(s(0.25))"
+    child = "from cluster.launch import set_health_check_interval as s; print(s(0.25))"
     run = subprocess.run(
         [sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, check=True
     )

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from cluster.lease import LeaseHeld, LeaseLost, RunLease
+from cluster.run.lease import LeaseHeld, LeaseLost, RunLease
 from tests.cluster.test_preflight import assert_stopped_at_driver, corpus, run_preflight  # noqa: F401
 from tests.s3_server import s3_server, s3_uri
 

@@ -1,5 +1,5 @@
-"""cluster/tracking.py (the driver) and trainer/metrics.py (the workers) against a real MLflow
-sqlite store in a tmp dir."""
+"""cluster/tracking/runs.py (the driver) and trainer/metrics.py (the workers) against a real
+MLflow sqlite store in a tmp dir."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from cluster.config import JobConfig, flatten
-from cluster.tracking import create_run, metric_history, resolve_tracking_uri, ui_command
+from cluster.tracking.runs import create_run, metric_history, resolve_tracking_uri, ui_command
 from trainer.metrics import (
     MAX_PARAM_VAL_LENGTH,
     MetricsLogger,

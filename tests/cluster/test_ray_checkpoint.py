@@ -1,11 +1,12 @@
-"""The pointer folders Ray Train keeps for each reported checkpoint (cluster/ray_checkpoint.py)."""
+"""The pointer folders Ray Train keeps for each reported checkpoint
+(cluster/run/ray_checkpoint.py)."""
 
 from __future__ import annotations
 
 import pyarrow.fs as pafs
 from ray.train import Checkpoint
 
-from cluster.ray_checkpoint import POINTER_DIR, pointer_dir_name, read_pointer, write_pointer
+from cluster.run.ray_checkpoint import POINTER_DIR, pointer_dir_name, read_pointer, write_pointer
 
 
 def test_pointer_names_the_checkpoint_and_step(tmp_path):

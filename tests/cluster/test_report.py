@@ -12,20 +12,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from cluster.config import JobConfig
-from cluster.report import (
-    PLOT_SIZE_PX,
-    REPORT_FILES,
-    RunSummary,
-    Verdict,
-    find_runs,
-    format_table,
-    main,
-    summarize,
-    verdict,
-    write_report,
-)
-from cluster.summary import WARMUP_STEPS
-from cluster.tracking import create_run, create_sweep_run, end_run
+from cluster.report import REPORT_FILES, format_table, main, write_report
+from cluster.tracking.compare import RunSummary, Verdict, find_runs, summarize, verdict
+from cluster.tracking.plots import PLOT_SIZE_PX
+from cluster.tracking.runs import create_run, create_sweep_run, end_run
+from cluster.tracking.summary import WARMUP_STEPS
 from trainer.metrics import MLflowLogger
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""In-memory snapshots on peer keepers (cluster/elastic/snapshots.py), on a real 3-node Ray.
+"""In-memory snapshots on peer keepers (cluster/snapshots/), on a real 3-node Ray.
 
 Two ranks run as Ray tasks pinned to the two worker nodes, each saving its own shard through
 the unchanged CheckpointWriter to keeper://<run_key>/snapshots and meeting at a barrier actor;
@@ -19,7 +19,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.elastic import snapshots
+from cluster.snapshots import keeper_fs
+from cluster.snapshots import keepers as snapshots
 from tests.cluster.elastic_cluster import LocalCluster
 from trainer import storage
 from trainer.checkpoint import (
@@ -50,13 +51,13 @@ def cluster():
         c.cluster.wait_for_nodes()
         workers = [n.node_id for n in added]
         ray.init(address=c.address, logging_level="WARNING")
-        snapshots.register_keeper_scheme()
+        keeper_fs.register_keeper_scheme()
         try:
             head = ray.get_runtime_context().get_node_id()
             assert head not in workers  # the driver's node is the head: three distinct nodes
             yield SimpleNamespace(head=head, workers=workers, ring=sorted([head, *workers]))
         finally:
-            storage.unregister_scheme(snapshots.SCHEME)
+            storage.unregister_scheme(keeper_fs.SCHEME)
     finally:
         ray.shutdown()
         c.close()
@@ -104,7 +105,7 @@ class Barrier:
 @ray.remote(num_cpus=1)
 def save_rank(root, step, rank, world, chunks, keep, barrier) -> str:
     """One rank's save, as a training worker on its node makes it (synchronously here)."""
-    snapshots.register_keeper_scheme()
+    keeper_fs.register_keeper_scheme()
     writer = CheckpointWriter(root, keep=keep, async_save=False, block_bytes=BLOCK_BYTES)
     with writer:
         writer.save(
@@ -473,7 +474,7 @@ class StuckKeeper:
 
 
 def test_a_keeper_that_does_not_answer_fails_the_put_and_is_left_out(cluster, monkeypatch):
-    monkeypatch.setattr(snapshots, "CALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(keeper_fs, "CALL_TIMEOUT_S", 1.0)
     key = f"stuck-{uuid.uuid4().hex[:12]}"
     stuck = StuckKeeper.options(
         name=snapshots.keeper_name(key, cluster.head),
@@ -481,7 +482,7 @@ def test_a_keeper_that_does_not_answer_fails_the_put_and_is_left_out(cluster, mo
         lifetime="detached",
     ).remote()
     try:
-        fs = pafs.PyFileSystem(snapshots.KeeperFileSystem(key, cluster.head))
+        fs = pafs.PyFileSystem(keeper_fs.KeeperFileSystem(key, cluster.head))
         started = time.monotonic()
         with pytest.raises(OSError, match="did not answer within 1 s"):
             with fs.open_output_stream("/a.bin") as f:
@@ -498,7 +499,7 @@ def test_a_keeper_that_does_not_answer_fails_the_put_and_is_left_out(cluster, mo
 
 def test_a_keeper_keeps_a_parted_file_and_reads_any_range_of_it():
     """The keeper class itself, no Ray: parts, their commit, ranges across part boundaries."""
-    from cluster.keeper import SnapshotKeeper
+    from cluster.snapshots.keeper import SnapshotKeeper
 
     k = SnapshotKeeper()
     data = bytes(range(256)) * 9
@@ -521,7 +522,7 @@ def test_a_keeper_keeps_a_parted_file_and_reads_any_range_of_it():
 
 
 def test_a_file_larger_than_a_part_goes_in_parts_and_reads_back_whole(cluster, monkeypatch):
-    monkeypatch.setattr(snapshots, "PART_BYTES", 1000)
+    monkeypatch.setattr(keeper_fs, "PART_BYTES", 1000)
     key = f"parts-{uuid.uuid4().hex[:12]}"
     data = torch.randint(0, 256, (5500,), dtype=torch.uint8).numpy().tobytes()
     try:
@@ -542,7 +543,7 @@ def test_a_file_larger_than_a_part_goes_in_parts_and_reads_back_whole(cluster, m
 
 
 def test_a_keeper_lost_during_a_parted_upload_fails_the_file(cluster, monkeypatch):
-    monkeypatch.setattr(snapshots, "PART_BYTES", 1000)
+    monkeypatch.setattr(keeper_fs, "PART_BYTES", 1000)
     key = f"parts-{uuid.uuid4().hex[:12]}"
     try:
         for n in cluster.ring:

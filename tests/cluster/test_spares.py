@@ -1,7 +1,7 @@
-"""Spare worker processes (cluster/spares.py) on a real local Ray: a worker asks its raylet for
-a spare, the spare imports the training stack while it waits, and the next actor with the same
-runtime env starts in it; keepers neither preload nor take a spare; the spares end with their
-job; the preload never touches CUDA.
+"""Spare worker processes (cluster/elastic/spares.py) on a real local Ray: a worker asks its
+raylet for a spare, the spare imports the training stack while it waits, and the next actor with
+the same runtime env starts in it; keepers neither preload nor take a spare; the spares end with
+their job; the preload never touches CUDA.
 
 The actors here stand in for Ray Train's workers: the same runtime env (spares'), one CPU.
 """
@@ -19,7 +19,7 @@ import psutil
 import pytest
 import ray
 
-from cluster import spares
+from cluster.elastic import spares
 from tests.cluster.elastic_cluster import LocalCluster, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def test_actors_started_apart_neither_preload_nor_take_a_spare(cluster):
 DRIVER = textwrap.dedent(
     """
     import ray, sys
-    from cluster import spares
+    from cluster.elastic import spares
     from tests.cluster.test_spares import probe_class
     ray.init(address=sys.argv[1], logging_level="WARNING")
     worker = probe_class().remote()
@@ -183,7 +183,7 @@ def test_the_preload_imports_every_module_and_never_touches_cuda():
         torch.cuda._lazy_init = spy("_lazy_init", torch.cuda._lazy_init)
         torch.cuda.is_available = spy("is_available", torch.cuda.is_available)
         torch.cuda.device_count = spy("device_count", torch.cuda.device_count)
-        from cluster import spares
+        from cluster.elastic import spares
         failed = spares.import_all(spares.PRELOAD)
         print("failed", failed, "calls", calls, "initialized", torch.cuda.is_initialized())
         """

@@ -1,7 +1,7 @@
 """cluster.submit: the `ray job submit` command line it builds, and the tags a run gets.
 
 The real submission to a Ray head is tests/deploy/test_job_submit.py; here the command line
-(no Ray) and cluster.tracking.source_tags where git cannot answer, as in Ray's copy of a
+(no Ray) and cluster.tracking.source.source_tags where git cannot answer, as in Ray's copy of a
 working tree."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import submit, tracking
+from cluster import submit
 from cluster.submit import SubmitError, ray_job_submit_argv
+from cluster.tracking import source as tracking
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
-"""The summary/* metrics a run ends with (cluster/summary.py, logged by cluster/tracking.py), on
-a real sqlite MLflow store holding a known per-step history (no Ray). The summaries of a real
-sweep's runs are checked in test_sweep.py."""
+"""The summary/* metrics a run ends with (cluster/tracking/summary.py, logged by
+cluster/tracking/job.py), on a real sqlite MLflow store holding a known per-step history (no
+Ray). The summaries of a real sweep's runs are checked in test_sweep.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from cluster.config import JobConfig
-from cluster.summary import MAX_SPREAD, MIN_MEASURED_STEPS, WARMUP_STEPS, percentile, warmup_count
-from cluster.tracking import create_run, finish_tracking, log_summary
+from cluster.tracking.job import finish_tracking, log_summary
+from cluster.tracking.runs import create_run
+from cluster.tracking.summary import (
+    MAX_SPREAD,
+    MIN_MEASURED_STEPS,
+    WARMUP_STEPS,
+    percentile,
+    warmup_count,
+)
 from trainer.metrics import MLflowLogger
 
 GiB, MiB = 2**30, 2**20

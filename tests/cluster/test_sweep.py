@@ -20,8 +20,10 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from cluster.config import JobConfig, flatten, job_from_dict
-from cluster.report import PLOT_SIZE_PX, REPORT_FILES
-from cluster.tracking import create_run, git_commit
+from cluster.report import REPORT_FILES
+from cluster.tracking.plots import PLOT_SIZE_PX
+from cluster.tracking.runs import create_run
+from cluster.tracking.source import git_commit
 from tests.cluster.conftest import REPO, CliResult, run_cli
 from trainer.metrics import MLflowLogger, last_logged_steps, start_system_metrics
 
@@ -360,7 +362,7 @@ def test_system_metrics_are_kept_apart_per_worker_node(store):
 def test_experiments_open_as_model_training_and_the_printed_page_says_so(store):
     """MLflow 3's UI opens in its GenAI mode (no runs table) unless the experiment's kind or the
     URL says model training: the experiment is tagged, and the printed page asks for the mode."""
-    from cluster.tracking import experiment_of, ui_url  # noqa: PLC0415 -- next to its test
+    from cluster.tracking.runs import experiment_of, ui_url  # noqa: PLC0415 -- next to its test
 
     run_id = create_run(JobConfig(), store)
     experiment = experiment_of(store, run_id)

@@ -192,7 +192,7 @@ def test_job_succeeded(job):
 
 
 def test_job_joined_the_head_on_loopback_instead_of_starting_its_own_ray(job):
-    """cluster/ray_launch.py takes RAY_ADDRESS, which `ray job` sets to the head's GCS."""
+    """cluster/launch.py takes RAY_ADDRESS, which `ray job` sets to the head's GCS."""
     assert f"Connecting to existing Ray cluster at address: {job.head.gcs_address}" in job.output, (
         job.output[-6000:]
     )

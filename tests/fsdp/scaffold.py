@@ -13,12 +13,17 @@ from trainer.fsdp import FSDPModel, build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import full_gradients, full_parameters
 from trainer.model import build_model, initializer, loss_sum
+from trainer.step import train_step
 
 SEED = 1234
 SEQ = 16
 BATCH_SEQ = SEQ
-# 3 blocks; 13,699 params per block and root sizes chosen so no unit divides evenly by 3.
-MODEL = dict(dim=36, n_layers=3, n_heads=3, ffn_dim=100, vocab_size=259)
+# Units of 12,950 (embedding), 25,250 (each of 3 blocks) and 13,000 (norm + head) elements: none
+# divides by 3 (every unit pads at world size 3) and the embedding and blocks are 2 mod 4 (they
+# pad at world size 4 too). No unit of this decoder can be odd, so world size 2 never pads:
+# every parameter's numel is a multiple of dim = n_heads x head_dim, and rotary needs an even
+# head_dim. tests/fsdp/test_parity.py asserts the padding.
+MODEL = dict(dim=50, n_layers=3, n_heads=5, ffn_dim=101, vocab_size=259)
 LR, WD, CLIP = 3e-3, 0.1, 0.5
 
 
@@ -104,36 +109,25 @@ def engine_run(
     scaler = ShardedGradScaler(enabled=fsdp.param_dtype == torch.float16)
     lo = rank * global_batch // world
     hi = (rank + 1) * global_batch // world
-    losses, norms, grads0, acct, skipped = [], [], None, [], []
+    losses, norms, grads0, acct, skipped = [], [], {}, [], []
     for step in range(steps):
-        blow_up = 2.0**30 if overflow_at == (step, rank) else 1.0
         x, y = batch(step, global_batch)
-        x, y = x[lo:hi], y[lo:hi]
-        parts = np.array_split(np.arange(hi - lo), micro_batches)
-        total = torch.zeros(())
-        for k, idx in enumerate(parts):
-            weight = 1.0
-            if len(idx) == 0:  # this rank has fewer rows than micro-batches: run a zero-weight one
-                idx, weight = np.array([0]), 0.0
-            ctx = fsdp.no_sync() if k < micro_batches - 1 else _null()
-            with ctx:
-                s, _ = loss_sum(fsdp(x[idx]), y[idx], weight)
-                scaler.scale_loss(s * blow_up / (global_batch * SEQ)).backward()
-            total += s.detach().float()
-        found_inf = scaler.unscale_and_check(fsdp.grad_shards(), world)
-        if step == 0:
-            grads0 = full_gradients(fsdp)
-        norms.append(float(fsdp.clip_grad_norm_(CLIP)))
-        if found_inf:
+        out = train_step(
+            fsdp,
+            opt,
+            micro_batch_split(x[lo:hi], y[lo:hi], micro_batches),
+            global_tokens=global_batch * SEQ,
+            grad_clip=CLIP,
+            scaler=scaler,
+            world=world,
+            grad_scale=2.0**30 if overflow_at == (step, rank) else 1.0,
+            on_gradients=(lambda: grads0.update(full_gradients(fsdp))) if step == 0 else None,
+        )
+        norms.append(float(out.norm))
+        if out.overflow:
             skipped.append(step)
-        else:
-            opt.step()
-        scaler.update(found_inf)
-        fsdp.zero_grad()
         fsdp.metrics(opt)  # counts the optimizer state in the accounting
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(float(total) / (global_batch * SEQ))
+        losses.append(float(out.loss))
         acct.append(
             dict(
                 comm=dict(fsdp.acct.comm_bytes),
@@ -162,12 +156,17 @@ def engine_run(
     return out
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+def micro_batch_split(x, y, n: int) -> list:
+    """(inputs, targets, weight) of n micro-batches of these rows, split as np.array_split splits
+    (as trainer.data's Batcher does); a rank with fewer rows than micro-batches runs zero-weight
+    ones (every rank runs as many forwards and backwards: their collectives pair up)."""
+    out = []
+    for idx in np.array_split(np.arange(len(x)), n):
+        weight = 1.0
+        if len(idx) == 0:
+            idx, weight = np.array([0]), 0.0
+        out.append((x[idx], y[idx], weight))
+    return out
 
 
 def rel(a: float, b: float) -> float:
@@ -228,3 +227,14 @@ def matrix_run(rank: int, world: int, configs: list[dict], steps: int, global_ba
             r = engine_run(rank, world, steps, global_batch, c, micro_batches=micro)
             out.append(r if rank == 0 else None)
     return out
+
+
+def unit_padding(rank: int, world: int, **sharding) -> dict[str, list[tuple[int, int, int]]]:
+    """Per unit that holds parameters: (numel, padded_numel, real elements of this rank's shard)
+    of each of its flat parameters, as the engine lays them out on this rank."""
+    fsdp = wrap(rank, world, **sharding)
+    return {
+        u.name: [(f.numel, f.padded_numel, f.valid_numel) for f in u.flats]
+        for u in fsdp.all_units()
+        if u.flats
+    }

@@ -11,6 +11,7 @@ its unit, through a tensor hook the collector cannot traverse.
 """
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -48,7 +49,13 @@ def _build_train_release(rank: int, world: int, sharding: dict) -> tuple[bool, b
     assert opt.state, "the optimizer never stepped: the probe would prove nothing"
     engine, shard = weakref.ref(fsdp), weakref.ref(next(fsdp.flats()).shard)
     del fsdp, opt, s, ctx
-    gc.collect()
+    # gc.collect() does nothing while another thread's collection runs (threaded ranks share one
+    # collector): collect until both are gone, a few times at most; a real leak outlives them all.
+    for _ in range(20):
+        gc.collect()
+        if engine() is None and shard() is None:
+            break
+        time.sleep(0.01)
     return engine() is not None, shard() is not None
 
 

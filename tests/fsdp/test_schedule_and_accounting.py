@@ -226,8 +226,11 @@ def test_bytes_per_step_follow_the_strategy_formulas(accounted):
     sgo = by[("SHARD_GRAD_OP", "float32")]["acct"][-1]["comm"]
     assert sum(sgo.values()) == pytest.approx(2 * 4 * padded * frac, rel=1e-6)
     nos = by[("NO_SHARD", "float32")]
+    # each unit's all-reduce counts whole bytes, rounded down (accounting.py); at world size 3 no
+    # unit's numel divides by 3, so the sum is under the formula by less than a byte per unit
+    # (measured: 3 of 542,400)
     assert sum(nos["acct"][-1]["comm"].values()) == pytest.approx(
-        2 * 4 * _flat_sizes(nos)[0] * frac, rel=1e-6
+        2 * 4 * _flat_sizes(nos)[0] * frac, rel=1e-6, abs=len(nos["flats"])
     )
     bf16 = by[("FULL_SHARD", "bfloat16")]["acct"][-1]["comm"]
     assert bf16["all_gather"] == pytest.approx(comm["all_gather"] / 2, rel=1e-6)

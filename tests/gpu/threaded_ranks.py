@@ -48,14 +48,15 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 from torch.utils._pytree import tree_leaves
 
-from tests.fsdp.scaffold import CLIP, LR, SEED, SEQ, WD, batch, optimizer, tiny
+from tests.fsdp.scaffold import CLIP, LR, SEED, SEQ, WD, batch, micro_batch_split, optimizer, tiny
 from trainer.config import OptimConfig, ShardingConfig
 from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp.accounting import COMM_OPS
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import full_gradients, full_parameters
-from trainer.model import build_model, initializer, loss_sum
-from trainer.optim import build_optimizer, guarded_step
+from trainer.model import build_model, initializer
+from trainer.optim import build_optimizer
+from trainer.step import train_step
 
 _LOCK = threading.Lock()  # one threaded world at a time: it replaces torch.distributed's world
 
@@ -221,40 +222,31 @@ def train_tiny(
         scaler = ShardedGradScaler(enabled=fsdp.param_dtype == torch.float16)
         for step in range(steps):
             x, y = (t[lo:hi].to(device) for t in batch(step, global_batch))
-            blow_up = 2.0**30 if overflow_at == (step, rank) else 1.0
-            total = _forward_backward(fsdp, scaler, x, y, micro_batches, tokens, blow_up)
-            found_inf = scaler.unscale_and_check(fsdp.grad_shards(), world, device)
+            grads0 = {}
+            step_out = train_step(
+                fsdp,
+                opt,
+                micro_batch_split(x, y, micro_batches),
+                global_tokens=tokens,
+                grad_clip=CLIP,
+                scaler=scaler,
+                world=world,
+                device=device,
+                grad_scale=2.0**30 if overflow_at == (step, rank) else 1.0,
+                on_gradients=(lambda: grads0.update(full_gradients(fsdp))) if step == 0 else None,
+            )
             if step == 0:
-                out["grads0"] = _to_cpu(full_gradients(fsdp))
-            norm = fsdp.clip_grad_norm_(CLIP)
-            if world > 1:
-                dist.all_reduce(total)
-            if found_inf:  # an fp16 overflow on any rank: every rank skips, the scale drops
+                out["grads0"] = _to_cpu(grads0)
+            if step_out.overflow:  # an fp16 overflow on any rank: every rank skipped it
                 out["skipped"].append(step)
-            else:
-                guarded_step(opt, ~(torch.isfinite(total) & torch.isfinite(norm)))
-            scaler.update(found_inf)
-            fsdp.zero_grad()
-            out["norms"].append(float(norm))
-            out["losses"].append(float(total) / tokens)
+            out["norms"].append(float(step_out.norm))
+            out["losses"].append(float(step_out.loss))
             m = fsdp.metrics(opt)
             out["comm_bytes"].append(m["comm/total_bytes"])
             out["exposed_ms"].append(m["comm/exposed_ms"])
             out["comm_by_op"].append({op: m[f"comm/{op}_bytes"] for op in COMM_OPS})
         out.update(_final_state(fsdp, opt, scaler))
     return out
-
-
-def _forward_backward(fsdp, scaler, x, y, micro_batches: int, tokens: int, blow_up: float):
-    """Forward and backward of every micro-batch's token-loss sum (x blow_up) over the global
-    token count, scaled; returns the sum of the token losses (a device scalar)."""
-    total = torch.zeros((), device=x.device)
-    for k, (rows, w) in enumerate(_micro_batches(len(x), micro_batches)):
-        with fsdp.no_sync() if k < micro_batches - 1 else contextlib.nullcontext():
-            s, _ = loss_sum(fsdp(x[rows]), y[rows], w)
-            scaler.scale_loss(s * blow_up / tokens).backward()
-        total += s.detach()
-    return total
 
 
 def _final_state(fsdp, opt, scaler) -> dict:
@@ -282,17 +274,6 @@ def _loop_optimizer(fsdp, lr: float) -> torch.optim.AdamW:
     (beta1, beta2), eps = d["betas"], d["eps"]
     cfg = OptimConfig(lr=lr, weight_decay=WD, beta1=beta1, beta2=beta2, eps=eps)
     return build_optimizer(fsdp, cfg)
-
-
-def _micro_batches(rows: int, n: int):
-    """(rows, weight) of each of this rank's n micro-batches, split as np.array_split splits (the
-    scaffold's engine_run): a rank with fewer rows than micro-batches runs zero-weight ones (every
-    rank must run as many forwards and backwards: their collectives pair up)."""
-    for part in torch.arange(rows).tensor_split(n):
-        if len(part):
-            yield slice(int(part[0]), int(part[-1]) + 1), 1.0
-        else:
-            yield slice(0, 1), 0.0
 
 
 def _to_cpu(tensors: dict) -> dict:

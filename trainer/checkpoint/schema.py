@@ -18,24 +18,10 @@ from base64 import b64decode
 from typing import Optional
 
 from trainer.checkpoint.format import CheckpointError, ChunkRow
+from trainer.checkpoint.trainer_state import TRAINER_MARK, Kind, TrainerState
 
 INT64_MAX = 2**63 - 1
 """Steps, sizes and counts are int64 in the chunk table and in torch: nothing larger is real."""
-
-# What trainer.checkpointing reads from `state` (TrainerState): the kind each key must have when
-# present. A trainer's state (one with a model_digest) must carry the step it resumes at and the
-# global batch its data position depends on, and AdamW's step count (Checkpointer._try_load
-# indexes it); other states (tests, tools) are free-form.
-_STATE_INT_MIN = {"step": 0, "consumed_samples": 0, "global_batch_size": 1, "world_size": 1}
-_STATE_NUMBER_MIN = {"optim_step": 0.0, "lr": -math.inf}
-_STATE_OBJECTS = ("model_config", "grad_scaler", "data", "tokenizer")  # an object or null
-_STATE_STRINGS = ("strategy", "model_digest")
-_STATE_OPTIONAL_STRINGS = ("rng_cpu", "imported_from")
-# For the record only (inspect shows them; older checkpoints lack them): a number or null each.
-_STATE_OPTIONAL_INT_MIN = {"tokens_seen": 0}
-_STATE_OPTIONAL_NUMBERS = ("loss",)
-_TRAINER_MARK = "model_digest"
-_TRAINER_REQUIRED = ("step", "global_batch_size", "optim_step")
 
 
 def check_manifest(body, where: str, dir_step: Optional[int]) -> None:
@@ -64,43 +50,40 @@ def check_manifest(body, where: str, dir_step: Optional[int]) -> None:
 
 
 def check_state(state: dict, step: int, where: str) -> None:
-    """The keys resume uses, when present, have sane types; a trainer's state has them all."""
-    if _TRAINER_MARK in state:
-        for key in _TRAINER_REQUIRED:
+    """Each key of TrainerState, when present, holds the JSON its Kind says; a trainer's state
+    (one with a model_digest) has the required ones; its step is the manifest's."""
+    kinds = TrainerState.kinds()
+    if TRAINER_MARK in state:
+        for key in (k for k, kind in kinds.items() if kind.required):
             _get(state, key, where, "present in a trainer's state", prefix="state.")
-    for key, lo in _STATE_INT_MIN.items():
-        if key == "global_batch_size" and state.get(key) is None and state.get("imported_from"):
-            continue  # a step-0 import has no batch size yet (trainer/hf.py)
+    for key, kind in kinds.items():
         if key in state:
-            _int(state, key, where, lo, prefix="state.")
-    for key, lo in _STATE_NUMBER_MIN.items():
-        if key in state:
-            _number(state, key, where, lo, prefix="state.")
+            _check_kind(state, key, kind, where)
     if "step" in state:
         _expect(state["step"] == step, where, "state.step", state["step"], f"{step} (as 'step')")
-    for key in _STATE_OBJECTS:
-        v = state.get(key)
-        _expect(v is None or isinstance(v, dict), where, f"state.{key}", v, "an object or null")
-    for key in _STATE_STRINGS:
-        if key in state:
-            _expect(isinstance(state[key], str), where, f"state.{key}", state[key], "a string")
-    for key in _STATE_OPTIONAL_STRINGS:
-        v = state.get(key)
-        _expect(v is None or isinstance(v, str), where, f"state.{key}", v, "a string or null")
-    for key, lo in _STATE_OPTIONAL_INT_MIN.items():
-        v = state.get(key)
-        ok = v is None or (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= INT64_MAX)
-        _expect(ok, where, f"state.{key}", v, f"an integer in [{lo}, {INT64_MAX}] or null")
-    for key in _STATE_OPTIONAL_NUMBERS:
-        v = state.get(key)
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        ok = v is None or (number and math.isfinite(v))
-        _expect(ok, where, f"state.{key}", v, "a finite number or null")
-    if state.get("rng_cpu") is not None:
-        try:
-            b64decode(state["rng_cpu"], validate=True)
-        except (binascii.Error, ValueError):
-            _expect(False, where, "state.rng_cpu", state["rng_cpu"], "base64 (torch's RNG state)")
+
+
+def _check_kind(state: dict, key: str, kind: Kind, where: str) -> None:
+    v, field = state[key], f"state.{key}"
+    if v is None and (kind.null or (kind.null_when and state.get(kind.null_when))):
+        return
+    or_null = " or null" if kind.null else ""
+    if kind.json == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool) and kind.lo <= v <= INT64_MAX
+        _expect(ok, where, field, v, f"an integer in [{kind.lo}, {INT64_MAX}]{or_null}")
+    elif kind.json == "number":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        at_least = f" >= {kind.lo}" if kind.lo > -math.inf else ""
+        _expect(ok and v >= kind.lo, where, field, v, f"a finite number{at_least}{or_null}")
+    elif kind.json == "object":
+        _expect(isinstance(v, dict), where, field, v, f"an object{or_null}")
+    else:  # a string, or a string of base64
+        _expect(isinstance(v, str), where, field, v, f"a string{or_null}")
+        if kind.json == "base64":
+            try:
+                b64decode(v, validate=True)
+            except (binascii.Error, ValueError):
+                _expect(False, where, field, v, "base64 (torch's RNG state)")
 
 
 def check_rows(rows: list[ChunkRow], body: dict, where: str) -> None:

@@ -53,6 +53,7 @@ class CheckpointWriter:
         group: Optional[dist.ProcessGroup] = None,
         retention_log_level: int = logging.INFO,
         check_finite: bool = False,
+        commit_guard: Optional[Callable[[], Optional[str]]] = None,
     ):
         """`root`: a local path or a pyarrow.fs URI (or a path inside `filesystem`); checkpoints
         go to f"{root}/step_{step:09d}". `keep`: committed checkpoints kept by rank 0.
@@ -61,7 +62,9 @@ class CheckpointWriter:
         `check_finite`: refuse a state with a NaN or an infinity in a floating-point chunk,
         checked on the host copy on the writer's thread (the snapshots': the durable save checks
         on the device first); that rank writes nothing, so rank 0's commit fails and the
-        previous checkpoint stays the newest."""
+        previous checkpoint stays the newest. `commit_guard()`: asked by rank 0 right before it
+        commits: None to go on, else why this writer may no longer write (the run was taken
+        over); nothing is committed or deleted then."""
         if keep < 1:
             raise CheckpointError(f"CheckpointWriter keep={keep!r}; valid: an integer >= 1")
         if block_bytes <= 0 or block_bytes % 8 or block_bytes > MAX_BLOCK_BYTES:
@@ -83,9 +86,7 @@ class CheckpointWriter:
         self._protected: set[str] = set()
         self._staging: Optional[torch.Tensor] = None
         self._closed = False
-        self.commit_guard: Optional[Callable[[], Optional[str]]] = None
-        """Asked by rank 0 right before it commits: None to go on, else why this writer may no
-        longer write (the run was taken over); nothing is committed or deleted then."""
+        self._commit_guard = commit_guard
 
     # ------------------------------------------------------------------ public
 
@@ -216,7 +217,7 @@ class CheckpointWriter:
         if error is not None:
             raise error
         if rank == 0:
-            reason = self.commit_guard() if self.commit_guard is not None else None
+            reason = self._commit_guard() if self._commit_guard is not None else None
             if reason:
                 raise CheckpointError(f"not committing {step_dir}: {reason}")
             commit(step_dir, step, world_size, state)

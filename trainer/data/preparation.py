@@ -5,9 +5,8 @@
 
 1. `plan_preparation` lists every source's files, loads the tokenizer and cuts the files into
    work units (one JSONL or Parquet file, or text files grouped up to UNIT_BYTES). The digest of
-   the file listing (names, sizes, mtimes), the tokenizer and the settings names the
-   preparation: it lives in `<prepared_dir>/<digest[:16]>/`, so two preparations never mix and
-   a prepared dataset never changes (DESIGN.md invariant 2).
+   the file listing (names, sizes, mtimes), the tokenizer and the settings names it: it lives in
+   `<prepared_dir>/<digest[:16]>/`, never mixes with another, never changes (DESIGN.md inv. 2).
 2. Each unit is tokenized by `process_unit` - a pure function of the unit, the tokenizer and the
    settings - into its own shard per split (train, and eval when data.eval_fraction > 0: each
    document goes to eval when the crc32 of its bytes says so, the same on every machine), then

@@ -28,6 +28,7 @@ reductions in flight; this class installs the hooks that call them, in this orde
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -79,12 +80,17 @@ class FSDPModel(torch.nn.Module):
         self.comm = Collectives(self.acct, self.device)
         specs = transformer_policy(model) if units is None else units
         self.offload = offload
+        host_grads = HostGrads(self.device, self.acct) if offload else None
+        self.reducer = Reducer(
+            mesh, self.comm, self.acct, reduce_dtype, max_reductions_in_flight, host_grads
+        )
         build = UnitBuilder(
             model,
             mesh,
             self.device,
             self.comm,
             self.acct,
+            self.reducer.reduce,
             param_dtype,
             reduce_dtype,
             init_fn,
@@ -94,11 +100,6 @@ class FSDPModel(torch.nn.Module):
             build.unit(build.name(spec), spec, reshard_after_forward) for spec in specs
         ]
         self.root = build.unit(ROOT, model, reshard_after_forward=False, exclude=specs)
-        self.reducer = Reducer(mesh, self.comm, self.acct, reduce_dtype, max_reductions_in_flight)
-        if offload:
-            self.reducer.host_grads = HostGrads(self.device, self.acct)
-        for u in self.all_units():
-            u.reducer = self.reducer
         self.scheduler = Scheduler(
             self.root, self.units, max_gathers_in_flight, forward_prefetch, backward_prefetch
         )
@@ -155,7 +156,7 @@ class FSDPModel(torch.nn.Module):
     def _root_post_forward(self, module, args, output):
         self.acct.event("compute_end", "forward", ROOT)
         if torch.is_grad_enabled():
-            _register_output_hooks(output, self._root_pre_backward)
+            _register_output_hooks(output, weakref.WeakMethod(self._root_pre_backward))
         else:  # inference: nothing will come back for these parameters
             for u in self.all_units():
                 u.end_iteration()
@@ -168,7 +169,8 @@ class FSDPModel(torch.nn.Module):
     def _post_forward(self, u: FSDPUnit, output):
         u.post_forward(keep=self.scheduler.keeps_after_forward(u))
         if torch.is_grad_enabled():
-            _register_output_hooks(output, lambda g, u=u: self._pre_backward(u))
+            me = weakref.ref(self)  # see _register_output_hooks
+            _register_output_hooks(output, lambda g, u=u: me()._pre_backward(u))
         return output
 
     def _root_pre_backward(self, grad):
@@ -307,7 +309,14 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _register_output_hooks(output, hook) -> None:
-    """Call hook(grad) when the gradient of any tensor in `output` arrives (before its backward)."""
+    """Call hook(grad) when the gradient of any tensor in `output` arrives (before its backward).
+
+    The hook lives on the tensor in C++, out of the collector's sight, and an output can outlive
+    its step (a caller keeps the logits, a thread's last collective its inputs): it must not
+    hold the engine strongly, or the engine's shards stay alive with it. `hook` is a
+    weakref.WeakMethod, or a function that reaches the engine through a weak reference."""
+    if isinstance(hook, weakref.WeakMethod):
+        weak, hook = hook, lambda g: weak()(g)
     tensors = (
         [output]
         if torch.is_tensor(output)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -25,9 +25,6 @@ from .collectives import Collectives, Handle
 from .flat_param import FlatParameter
 from .mesh import ShardMesh
 from .offload import HostGrads
-
-if TYPE_CHECKING:
-    from .unit import FSDPUnit
 
 
 @dataclass
@@ -48,18 +45,22 @@ class Reducer:
         acct: Accounting,
         reduce_dtype: torch.dtype,
         max_in_flight: int,
+        host_grads: Optional[HostGrads] = None,
     ):
+        """`host_grads`: where the fp32 gradient shards of offloaded flats are folded in (the
+        engine builds one when offloading; None otherwise)."""
         self.mesh, self.comm, self.acct = mesh, comm, acct
         self.reduce_dtype, self.max_in_flight = reduce_dtype, max_in_flight
         self.hybrid = mesh.shard_size > 1 and mesh.replicate_size > 1
-        self.host_grads: Optional[HostGrads] = None  # set by the engine when offloading
+        self.host_grads = host_grads
         # Issued and not yet retired (their unsharded gradients alive), oldest first.
         self._pending: collections.deque[_Reduction] = collections.deque()
         # HYBRID_SHARD: retired reduce-scatters whose all-reduce across replicas is in flight.
         self._across: list[_Reduction] = []
 
-    def reduce(self, u: FSDPUnit, i: int, g: torch.Tensor) -> None:
-        """Launch the reduction of flat i of unit u; retire the oldest pending one past the bound.
+    def reduce(self, flat: FlatParameter, unit: str, g: torch.Tensor) -> None:
+        """Launch the reduction of `flat`'s complete gradient `g` (`unit` names it in the
+        accounting); retire the oldest pending one past the bound.
 
         Invariant: at most max_in_flight unsharded gradients are alive after this call, the newest
         included (one more while the newest arrives, before the oldest is retired), whatever the
@@ -73,21 +74,21 @@ class Reducer:
         # output is allocated, as FSDP2 frees the previous reduce-scatter's buffers.
         while len(self._pending) >= self.max_in_flight:
             self._retire(self._pending.popleft())
-        flat, m = u.flats[i], self.mesh
+        m = self.mesh
         across = None
         if m.shard_size > 1:
             out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=g.device)
-            h = self.comm.reduce_scatter(out, g, m.shard_group, m.shard_size, u.name)
+            h = self.comm.reduce_scatter(out, g, m.shard_group, m.shard_size, unit)
             if self.hybrid and self.comm.cuda:
-                across = self._all_reduce_across(out, u.name, after=h)
+                across = self._all_reduce_across(out, unit, after=h)
         else:
             out = g
             h = (
-                self.comm.all_reduce(out, m.replicate_group, m.replicate_size, u.name)
+                self.comm.all_reduce(out, m.replicate_group, m.replicate_size, unit)
                 if m.replicate_size > 1
                 else None
             )
-        self._pending.append(_Reduction(flat, u.name, out, h, across, gbytes))
+        self._pending.append(_Reduction(flat, unit, out, h, across, gbytes))
 
     def finish(self) -> None:
         """End of backward: retire every reduction, wait for the all-reduces across replicas,

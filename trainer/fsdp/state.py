@@ -3,7 +3,7 @@ whole tensors that tests and exports compare.
 
 Everything is named by the ORIGINAL parameter's fully-qualified name and a flat element range of
 it, never by rank or flat parameter: so any world size, strategy or wrap policy can load what
-any other saved (trainer/checkpointing.py turns these names into checkpoint keys).
+any other saved (the checkpoint component turns these names into checkpoint keys).
 
     for fqn, shape, start, t in param_pieces(fsdp): ...            # fp32 master weights
     for fqn, name, shape, start, t in optim_pieces(fsdp, opt): ... # AdamW exp_avg / exp_avg_sq
@@ -16,29 +16,38 @@ any other saved (trainer/checkpointing.py turns these names into checkpoint keys
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .collectives import _all_gather
 from .flat_param import FlatParameter
-
-if TYPE_CHECKING:
-    from .engine import FSDPModel
+from .mesh import ShardMesh
 
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 """AdamW's per-element state, saved and loaded by name (the step count is a scalar)."""
 
 
-def param_pieces(fsdp: FSDPModel) -> Iterator[tuple[str, tuple, int, torch.Tensor]]:
+class ShardedModel(Protocol):
+    """What this module reads of the engine (engine.FSDPModel is one): its flat parameters, its
+    mesh and the device its collectives run on. A protocol, not an import of the engine: the
+    engine's own state methods call into this module."""
+
+    mesh: ShardMesh
+    device: torch.device
+
+    def flats(self) -> Iterator[FlatParameter]: ...
+
+
+def param_pieces(fsdp: ShardedModel) -> Iterator[tuple[str, tuple, int, torch.Tensor]]:
     """(fqn, full shape, start element, shard tensor slice) for every piece this rank holds."""
     for flat in fsdp.flats():
         for info, start, count, off in flat.local_pieces():
             yield info.fqn, tuple(info.shape), start, flat.shard[off : off + count]
 
 
-def optim_pieces(fsdp: FSDPModel, optimizer: torch.optim.Optimizer):
+def optim_pieces(fsdp: ShardedModel, optimizer: torch.optim.Optimizer):
     """(fqn, state name, full shape, start, tensor slice) for every optimizer state piece."""
     for flat in fsdp.flats():
         if not flat.requires_grad:
@@ -66,14 +75,14 @@ class LocalShard:
     values: torch.Tensor
 
 
-def sharded_state_dict(fsdp: FSDPModel) -> dict[str, LocalShard]:
+def sharded_state_dict(fsdp: ShardedModel) -> dict[str, LocalShard]:
     """Every parameter this rank holds a piece of, by its name in the unwrapped model. Nothing is
     communicated or copied; parameters lying wholly in other ranks' shards are absent."""
     return {fqn: LocalShard(shape, start, t) for fqn, shape, start, t in param_pieces(fsdp)}
 
 
 def iter_full_state(
-    fsdp: FSDPModel, dtype: Optional[torch.dtype] = None
+    fsdp: ShardedModel, dtype: Optional[torch.dtype] = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole parameter) on rank 0, one parameter at a time: each rank holding a piece of it
     sends that piece to rank 0, which never holds more than the one parameter it yields (on the
@@ -104,13 +113,13 @@ def iter_full_state(
                 dist.send(piece.to(flat.device).contiguous(), dst=0, group=group)
 
 
-def full_state_dict(fsdp: FSDPModel, dtype: Optional[torch.dtype] = None) -> dict:
+def full_state_dict(fsdp: ShardedModel, dtype: Optional[torch.dtype] = None) -> dict:
     """Every parameter whole, on rank 0 (an empty dict elsewhere); see iter_full_state. Rank 0
     holds the whole model at the end: stream with iter_full_state for one that does not fit."""
     return dict(iter_full_state(fsdp, dtype))
 
 
-def load_params(fsdp: FSDPModel, read: Callable[[str, int, int], torch.Tensor]) -> None:
+def load_params(fsdp: ShardedModel, read: Callable[[str, int, int], torch.Tensor]) -> None:
     """Fill this rank's fp32 shards: read(fqn, start, numel) returns elements [start, start+numel)
     of the full parameter `fqn`, from any layout."""
     with torch.no_grad():
@@ -120,7 +129,7 @@ def load_params(fsdp: FSDPModel, read: Callable[[str, int, int], torch.Tensor]) 
 
 
 def load_optim(
-    fsdp: FSDPModel,
+    fsdp: ShardedModel,
     optimizer: torch.optim.Optimizer,
     read: Callable[[str, str, int, int], torch.Tensor],
     step: float,
@@ -146,12 +155,12 @@ def load_optim(
                     )
 
 
-def full_parameters(fsdp: FSDPModel) -> dict[str, torch.Tensor]:
+def full_parameters(fsdp: ShardedModel) -> dict[str, torch.Tensor]:
     """Every original parameter, gathered in fp32 (for tests and export; costs a full copy)."""
     return _gather_full(fsdp, lambda flat: flat.shard, trainable_only=False)
 
 
-def full_gradients(fsdp: FSDPModel) -> dict[str, torch.Tensor]:
+def full_gradients(fsdp: ShardedModel) -> dict[str, torch.Tensor]:
     """Every original parameter's reduced fp32 gradient, gathered (for tests)."""
     return _gather_full(
         fsdp,
@@ -161,7 +170,7 @@ def full_gradients(fsdp: FSDPModel) -> dict[str, torch.Tensor]:
 
 
 def _gather_full(
-    fsdp: FSDPModel, local: Callable[[FlatParameter], torch.Tensor], trainable_only: bool
+    fsdp: ShardedModel, local: Callable[[FlatParameter], torch.Tensor], trainable_only: bool
 ) -> dict[str, torch.Tensor]:
     out = {}
     mesh = fsdp.mesh

@@ -8,7 +8,8 @@ corrupting gradients. The engine (engine.py) decides when to call them and what 
          --end_iteration--> IDLE
 
 The moment a flat's gradient is complete (autograd's post-accumulate-grad hook) the unit hands
-it to the reducer (reducer.py), or keeps it for gradient accumulation under no_sync.
+it to `reduce` (the engine's reducer, reducer.py), or keeps it for gradient accumulation under
+no_sync.
 
 Storage invariants (checked by the accounting tests):
 - Between steps a unit holds only fp32 shards (`flat.shard`) and fp32 gradient shards.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,8 +33,8 @@ from .collectives import Collectives, Handle
 from .flat_param import FlatParameter
 from .mesh import ShardMesh
 
-if TYPE_CHECKING:
-    from .reducer import Reducer
+ReduceFn = Callable[[FlatParameter, str, torch.Tensor], None]
+"""reduce(flat, unit name, complete unsharded gradient): the reducer's (Reducer.reduce)."""
 
 
 class TrainingState(enum.Enum):
@@ -61,12 +62,14 @@ class FSDPUnit:
         mesh: ShardMesh,
         comm: Collectives,
         acct: Accounting,
+        reduce: ReduceFn,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         reshard_after_forward: bool,
     ):
         self.name, self.modules, self.flats, self.owners = name, modules, flats, owners
         self.mesh, self.comm, self.acct = mesh, comm, acct
+        self.reduce = reduce  # takes each complete flat gradient (not under no_sync)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.state = TrainingState.IDLE
@@ -90,9 +93,6 @@ class FSDPUnit:
             self._buf.append(buf)
             self._full.append(full)
         self.no_sync = False
-        self.reducer: Optional[Reducer] = (
-            None  # set by the engine: takes each complete flat gradient
-        )
         self._grad_accum: list[Optional[torch.Tensor]] = [None] * len(flats)
         self._grads_seen: set[int] = set()
         self.pre_backward_done = False
@@ -245,7 +245,7 @@ class FSDPUnit:
             self.acct.alloc("unsharded_grads", acc.numel() * acc.element_size())
             self._grad_accum[i] = acc
         else:
-            self.reducer.reduce(self, i, g)
+            self.reduce(self.flats[i], self.name, g)
         self._grads_seen.add(i)
         if len(self._grads_seen) == sum(f.requires_grad for f in self.flats):
             self.acct.event("compute_end", "backward", self.name)

@@ -16,7 +16,7 @@ from .accounting import Accounting
 from .collectives import Collectives
 from .flat_param import FlatParameter, ParamInfo
 from .mesh import ShardMesh
-from .unit import FSDPUnit
+from .unit import FSDPUnit, ReduceFn
 
 ROOT = "root"
 UnitSpec = Union[torch.nn.Module, tuple[torch.nn.Module, ...]]
@@ -74,12 +74,14 @@ class UnitBuilder:
         device: torch.device,
         comm: Collectives,
         acct: Accounting,
+        reduce: ReduceFn,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         init_fn: Optional[InitFn],
         offload: bool = False,
     ):
         self.mesh, self.device, self.comm, self.acct = mesh, device, comm, acct
+        self.reduce = reduce
         self.offload = offload
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.init_fn = init_fn
@@ -122,6 +124,7 @@ class UnitBuilder:
             self.mesh,
             self.comm,
             self.acct,
+            self.reduce,
             self.param_dtype,
             self.reduce_dtype,
             reshard_after_forward,

@@ -65,9 +65,9 @@ class MemoryPlan:
     host_state: int
     """Host bytes of the offloaded optimizer (0 without offload)."""
     snapshot_host: int
-    """Host bytes per worker for in-memory snapshots (train.snapshot_every != 0; 0 without):
+    """Host bytes per worker for in-memory snapshots (when TrainConfig.snapshots_on; 0 without):
     the worker's staging copy of its shard state plus its share of what the keepers hold, 2
-    copies x 2 generations (trainer/checkpointing.py Snapshots)."""
+    copies x 2 generations (trainer/checkpoint/snapshots.py)."""
     timeline: StepTimeline
     activations_without_checkpointing: int
     """Peak of activation memory alone (blocks + root) over the step, without checkpointing."""
@@ -186,7 +186,7 @@ def plan(
         host_state=lay.host_state,
         snapshot_host=(
             SNAPSHOT_COPIES * (lay.sharded_params + lay.optim_state)
-            if cfg.train.snapshot_every != 0
+            if cfg.train.snapshots_on(gpu_workers=headroom)
             else 0
         ),
         timeline=timeline,

@@ -1,8 +1,9 @@
 """One node's share of a run's in-memory snapshots: a Ray actor holding files in its memory.
 
 Its own module, importing nothing of the project: a keeper process imports only this (Ray loads
-an actor's class by module), not cluster.elastic and Ray Train behind it (2.3 s and their
-memory, per keeper). Placement, naming and the filesystem on top: cluster/elastic/snapshots.py.
+an actor's class by module), not the filesystem, Ray Train and the project behind it (2.3 s and
+their memory, per keeper). Naming and lifetime: keepers.py; placement and the filesystem on
+top: keeper_fs.py.
 """
 
 from __future__ import annotations

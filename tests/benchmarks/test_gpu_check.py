@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from benchmarks import gpu_check, gpu_stages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("tiny_bf16", "tiny_bf16_ac")
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--world", "2", "--steps", "1", "--reps", "1", "--warmup", "0", "--profile-steps", "1"]
 QUICK += ["--batch", "1", "--seq", "16", "--models", "tiny,mid"]
 CONTESTANTS = {

@@ -1,4 +1,4 @@
-"""In-memory snapshots (trainer/checkpointing.py Snapshots) under plain torch.multiprocessing.
+"""In-memory snapshots (trainer/checkpoint/snapshots.py) under plain torch.multiprocessing.
 
 The snapshot root here is a local folder standing in for the peers' memory (the cluster layer's
 keeper:// filesystem, tests/cluster/test_snapshots.py): the format, the cadence, the resume and
@@ -65,20 +65,20 @@ def _train(rank, world, cfg, root, snapshots, crash_at, settle=False):
 def _train_losing_a_snapshot(rank, world, cfg, root, snapshots):
     """Rank 1 cannot read the snapshots (OSError), as when the keepers holding its files died
     after rank 0 listed them complete."""
-    import trainer.checkpointing as checkpointing
+    import trainer.checkpoint.checkpointer as checkpointer
 
-    real = checkpointing.load_state
+    real = checkpointer.load_state
 
     def load_state(model, optimizer, reader, *args, **kwargs):
         if rank == 1 and reader.location.path.startswith(snapshots):
             raise OSError(f"{reader.location.path}: no live keeper holds it any more")
         return real(model, optimizer, reader, *args, **kwargs)
 
-    checkpointing.load_state = load_state
+    checkpointer.load_state = load_state
     try:
         return _train(rank, world, cfg, root, snapshots, None)
     finally:
-        checkpointing.load_state = real
+        checkpointer.load_state = real
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""trainer/checkpointing.py: the cadence, the report of a save when it commits (not at the next
-save), and every committed save reported exactly once, in order, on every rank."""
+"""trainer/checkpoint/checkpointer.py: the cadence, the report of a save when it commits (not at
+the next save), and every committed save reported exactly once, in order, on every rank."""
 
 import contextlib
 import io
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from trainer.checkpointing import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import TrainerConfig
 from trainer.data import prepare
 from trainer.fsdp import build_mesh, parallelize

@@ -32,12 +32,12 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from cluster.config import LEASE_DIR
 from trainer import storage
 from trainer.storage import Location
 
 log = logging.getLogger(__name__)
 
-LEASE_DIR = "lease"
 _GEN = re.compile(r"^gen-(\d{6,})\.json$")
 
 
@@ -191,15 +191,9 @@ class LeaseGuard:
     """For the workers: None while `launch_id` holds the run's lease, else who took it over. One
     LIST and one small read per call (the loop asks before each save)."""
 
-    def __init__(self, sibling: Location, launch_id: str):
-        """`sibling`: any folder directly inside the run folder (the workers have elastic/)."""
-        parent = Location(
-            sibling.fs,
-            sibling.path.rsplit("/", 1)[0],
-            sibling.display.rsplit("/", 1)[0],
-            sibling.query,
-        )
-        self.folder, self.launch_id = parent.child(LEASE_DIR), launch_id
+    def __init__(self, run: Location, launch_id: str):
+        """`run`: the run folder (a worker's: cluster/run/folder.py ray_run_folder)."""
+        self.folder, self.launch_id = run.child(LEASE_DIR), launch_id
 
     def __call__(self) -> Optional[str]:
         _, holder = _newest(self.folder)

@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Optional
 
-HOOK = "cluster.spares.preload"
+HOOK = "cluster.elastic.spares.preload"
 """The worker-process setup hook (a module path Ray imports in each new process)."""
 
 PRELOAD = (
@@ -50,14 +50,18 @@ PRELOAD = (
     "ray.train.torch",
     "ray.train.v2._internal.execution.worker_group.worker",  # the actor's class
     "cluster.config",
-    "cluster.elastic",
     "cluster.elastic.drain",
+    "cluster.elastic.faults",
+    "cluster.elastic.grow",
+    "cluster.elastic.leave",
+    "cluster.elastic.tracker",
     "cluster.elastic.preemption",
     "cluster.elastic.clock",
-    "cluster.elastic.snapshots",
+    "cluster.snapshots.keepers",
+    "cluster.snapshots.keeper_fs",
     "cluster.worker",
     "trainer.loop",
-    "trainer.checkpointing",
+    "trainer.checkpoint.checkpointer",
     "ray.tune.trainable.trainable_fn_utils",  # ray.train.report's: 0.3 s at the first report
     "ray._private.grpc_utils",  # request_spares
     "mlflow",  # rank 0 logs the run: 2.4 s with its store

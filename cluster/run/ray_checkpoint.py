@@ -16,7 +16,8 @@ import json
 import time
 from typing import Optional
 
-POINTER_DIR = "ray_checkpoints"
+from cluster.config import POINTER_DIR
+
 POINTER_FILE = "pointer.json"
 
 

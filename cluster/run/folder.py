@@ -1,8 +1,18 @@
-"""The run folder: small JSON documents the elastic parts share across worker-group starts.
+"""The run folder's elastic/ documents: small JSON files the elastic parts share across
+worker-group starts, and with the driver.
 
-Ray Train's run folder (<storage_path>/<run_name>, a local path or any pyarrow filesystem) holds
-an elastic/ folder: the fired fault drill (cluster/elastic/faults.py) and one record per
-worker-group start (cluster/elastic/tracker.py). A document is replaced whole, never torn.
+The run folder is Ray Train's, <cluster.storage_path>/<cluster.run_name> (its layout:
+cluster/config.py run_folder); its elastic/ folder holds, each written by the module named:
+
+    fault.json                the fired fault drill: kind, rank, step, time (elastic/faults.py)
+    drain_request.json        the controller's drain request before a grow (elastic/grow.py)
+    drain_ack.json            rank 0's answer once the drain's checkpoint committed (the same)
+    controller_clock.json     the controller's times of the last group start (elastic/clock.py)
+    attempts/<start ns>.json  one worker-group start: launch, world size, start step, progress
+                              (last step trained and when), recovery figures (elastic/tracker.py)
+    fatal.json                the error that ended a launch's training for good (run/fatal.py)
+
+A document is replaced whole, never torn.
 """
 
 from __future__ import annotations
@@ -11,9 +21,14 @@ import json
 import uuid
 from typing import Optional
 
+from cluster.config import ELASTIC_DIR, ClusterConfig, run_folder
 from trainer.storage import Location, list_dir, read_bytes, resolve, write_atomic
 
-ELASTIC_DIR = "elastic"
+
+def ray_run_folder(storage) -> Location:
+    """The run folder as Ray Train's context in a worker has it
+    (ray.train.get_context().get_storage(): a StorageContext)."""
+    return resolve(storage.experiment_fs_path, storage.storage_filesystem)
 
 
 class RunFolder:
@@ -25,10 +40,13 @@ class RunFolder:
 
     @classmethod
     def of_ray_run(cls, storage) -> "RunFolder":
-        """The elastic/ folder of Ray Train's run folder (ray.train.get_context().get_storage())."""
-        return cls(
-            resolve(f"{storage.experiment_fs_path}/{ELASTIC_DIR}", storage.storage_filesystem)
-        )
+        """The elastic/ folder of the run, as a worker finds it (Ray's storage context)."""
+        return cls(ray_run_folder(storage).child(ELASTIC_DIR))
+
+    @classmethod
+    def of_run(cls, cluster: ClusterConfig) -> "RunFolder":
+        """The elastic/ folder of the run, as the driver finds it (the job's config)."""
+        return cls.at(run_folder(cluster.storage_path, cluster.run_name, ELASTIC_DIR))
 
     @classmethod
     def at(cls, path_or_uri: str) -> "RunFolder":

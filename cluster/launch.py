@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from cluster import spares
+from cluster.config import ClusterConfig, JobConfig
+from cluster.elastic import spares
+from cluster.elastic.grow import GrowDrain
 from cluster.logs import NEVER_DEDUP, quiet_ray_driver, ray_train_logging
-
-if TYPE_CHECKING:  # annotations only: cluster.config imports cluster.tracking, which imports this
-    from cluster.config import ClusterConfig, JobConfig
+from cluster.run.folder import RunFolder
+from cluster.worker import train_loop_per_worker
 
 
 def ray_address(cluster: ClusterConfig) -> str | None:
@@ -90,18 +91,10 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     checkpoints, the loop its checkpoint folder."""
     import ray.train.torch  # noqa: PLC0415 -- ray costs seconds to import: only to run a job
 
-    # cluster.worker imports cluster.config, which imports cluster.tracking, which imports this
-    from cluster.config import run_folder  # noqa: PLC0415 -- the same cycle
-    from cluster.elastic import (  # noqa: PLC0415 -- imports ray
-        ELASTIC_DIR,
-        ClusterView,
-        GrowDrain,
-        RestartClock,
-        RunFolder,
-        SigtermCallback,
-        replace_rays_watcher,
-    )
-    from cluster.worker import train_loop_per_worker  # noqa: PLC0415 -- an import cycle
+    from cluster.elastic.clock import RestartClock  # noqa: PLC0415 -- imports Ray Train
+    from cluster.elastic.cluster_view import ClusterView  # noqa: PLC0415 -- the same
+    from cluster.elastic.drain import SigtermCallback  # noqa: PLC0415 -- the same
+    from cluster.elastic.preemption import replace_rays_watcher  # noqa: PLC0415 -- the same
 
     c = cfg.cluster
     preemption = replace_rays_watcher()  # Ray's own logs an ERROR line at every group start
@@ -110,7 +103,7 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     elastic = c.min_workers is not None
     resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
     # the running group checkpoints before Ray grows it (the controller reaches the run folder)
-    folder = RunFolder.at(run_folder(c.storage_path, c.run_name, ELASTIC_DIR))
+    folder = RunFolder.of_run(c)
     launch_id = train_loop_config.get("launch", {}).get("launch_id", "")
     grow = GrowDrain(folder, c.drain_on_grow_timeout_s, launch_id=launch_id)
     scaling = ray.train.ScalingConfig(
@@ -127,9 +120,9 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             name=c.run_name,
             storage_path=c.storage_path,
             # Each worker death, node loss or graceful drain (the drained group raises
-            # cluster.elastic.DrainedError so that Ray restarts it) counts one failure.
+            # cluster.elastic.drain.DrainedError so that Ray restarts it) counts one failure.
             failure_config=ray.train.FailureConfig(max_failures=c.max_failures),
-            # Applies to Ray's pointer folders only (cluster/ray_checkpoint.py); the loop prunes
+            # Applies to Ray's pointer folders only (cluster/run/ray_checkpoint.py); the loop prunes
             # the real checkpoints with the same count.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[SigtermCallback(), RestartClock(folder, launch_id)]
@@ -137,7 +130,7 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             + ([ClusterView(c.elastic_resize_monitor_interval_s, lo, grow)] if elastic else []),
             # Ray Train's INFO lines (one per report per rank among them) only when verbose
             logging_config=ray_train_logging(c.verbose),
-            # every worker process runs spares.preload, which warms the spares (cluster/spares.py)
+            # every worker process runs spares.preload: it warms the spares (elastic/spares.py)
             worker_runtime_env=spares.worker_runtime_env() if c.spares_on else None,
         ),
         torch_config=ray.train.torch.TorchConfig(

@@ -28,7 +28,7 @@ MAX_SPREAD = 0.20
 GiB, MiB = 2**30, 2**20
 
 History = Callable[[str], Sequence[tuple[int, float]]]
-"""[(step, value)] of one metric key, sorted by step (cluster.tracking.metric_history)."""
+"""[(step, value)] of one metric key, sorted by step (cluster.tracking.runs.metric_history)."""
 
 
 def warmup_count(logged: int) -> int:

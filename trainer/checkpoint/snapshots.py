@@ -1,0 +1,124 @@
+"""In-memory snapshots between durable checkpoints (DESIGN.md invariant 5): the checkpoint
+format, written by a writer of their own to the peers' memory (the cluster layer's keeper://
+filesystem), two generations kept. The Checkpointer takes one at the steps
+`due` says, and offers the newer complete ones first at resume.
+
+    snaps = Snapshots(root, every, world_size, log)
+    if snaps.due(step, busy): snaps.save(step, state, chunks, rank)
+    paths = snaps.newer_than(durable_step, rank, control)   # resume: newest first
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch.distributed as dist
+
+from trainer.checkpoint import CheckpointWriter, TensorChunk, list_checkpoints
+from trainer.checkpoint.trainer_state import TrainerState
+
+
+class Snapshots:
+    """In-memory snapshots: the checkpoint format, written to `root` (the launcher's peers'
+    memory: the cluster layer's keeper://), two generations kept.
+
+    A snapshot is a checkpoint of its own writer (its own gloo barrier group: created on every
+    rank, in the same order), asynchronous like the durable one: the loop waits only for the
+    copy of its shard state to host memory; sending it on happens on the writer's thread.
+    `every`: None -> at every step where the previous snapshot has been sent (all ranks agree:
+    the busy flag is all-reduced), so the copy always hides behind compute; N -> every N steps
+    (waiting for the previous one if it is still being sent). A snapshot that fails (a keeper
+    gone with its node) is reported and the next one is tried: snapshots never stop training.
+    Resuming, `newer_than` offers the complete snapshots newer than the newest durable
+    checkpoint, newest first, as rank 0 lists them (all ranks try the same ones, in order)."""
+
+    KEEP = 2
+
+    def __init__(self, root: str, every: Optional[int], world_size: int, log=print):
+        self.root, self.every, self.log = root, every, log
+        group = dist.new_group(backend="gloo") if world_size > 1 else None
+        if group is not None:  # gloo connects a group at its first collective: not mid-snapshot
+            dist.barrier(group=group)
+        self.writer = CheckpointWriter(
+            root,
+            keep=self.KEEP,
+            async_save=True,
+            group=group,
+            retention_log_level=logging.DEBUG,
+            check_finite=True,  # on the host copy, on the writer's thread: no device sync
+        )
+        self.world = world_size
+        self._in_flight: Optional[int] = None
+        self.last_step: Optional[int] = None
+        self.blocked_ms: Optional[float] = None
+        self.bytes: int = 0
+        self.taken = 0  # snapshots started by this rank
+
+    def due(self, step: int, busy: bool) -> bool:
+        if self.every is None:
+            if busy:
+                return False
+        elif step % self.every:
+            return False
+        self._collect()
+        return True
+
+    def save(self, step: int, state: TrainerState, chunks: list[TensorChunk], rank: int) -> None:
+        self.writer.save(step, rank, self.world, chunks, state.to_json())
+        self.bytes = sum(c.data.numel() * c.data.element_size() for c in chunks)
+        self._in_flight = step
+        self.taken += 1
+
+    def _collect(self) -> None:
+        """The previous snapshot's outcome (it is done or being waited for)."""
+        if self._in_flight is None:
+            return
+        step, self._in_flight = self._in_flight, None
+        try:
+            self.writer.wait()
+            self.last_step = step
+        except Exception as e:  # a keeper gone: the next snapshot is tried
+            self.log(f"snapshot of step {step} failed ({type(e).__name__}: {e}); trying again")
+
+    def metrics(self) -> dict[str, float]:
+        """snapshot/step (the newest sent), snapshot/blocked_ms (the training thread's wait at
+        the last step: agreeing whether one is due, and the copy to host memory when it was),
+        mem/snapshot_bytes (this rank's shard state in
+        one snapshot; the keepers hold 2 copies x 2 generations of it)."""
+        m = {"mem/snapshot_bytes": float(self.bytes)} if self.bytes else {}
+        if self.last_step is not None:
+            m["snapshot/step"] = float(self.last_step)
+        if self.blocked_ms is not None:
+            m["snapshot/blocked_ms"] = self.blocked_ms
+        return m
+
+    def newer_than(self, durable_step: int, rank: int, control) -> list[str]:
+        """Complete snapshots newer than `durable_step`, newest first, as rank 0 sees them."""
+        paths: list = [None]
+        if rank == 0:
+            try:
+                infos = list_checkpoints(self.root)
+            except Exception as e:  # the keepers unreachable: the durable checkpoint it is
+                infos = []
+                self.log(f"snapshots: cannot list {self.root} ({type(e).__name__}: {e})")
+            newer = [i for i in infos if i.step > durable_step]
+            good = [i.path for i in newer if not i.problem]
+            for i in newer:
+                if i.problem:
+                    self.log(f"snapshot of step {i.step} is incomplete: {i.problem}")
+            if newer and not good:
+                self.log(
+                    "no complete in-memory snapshot newer than the durable checkpoint of step "
+                    f"{durable_step}: resuming from that checkpoint"
+                )
+            paths = [good]
+        if self.world > 1:
+            dist.broadcast_object_list(paths, src=0, group=control)
+        return paths[0]
+
+    def close(self) -> None:
+        try:
+            self._collect()
+        finally:
+            self.writer.close()

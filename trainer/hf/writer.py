@@ -1,0 +1,190 @@
+"""Weights out: a checkpoint of ours in transformers' layout, written as a stream.
+
+    export_hf(checkpoint_path, "out/", dtype=torch.bfloat16)   # config.json, model*.safetensors
+
+`SafetensorsWriter` writes each file's header first and then streams the tensors into it one at
+a time, so the exporter holds the largest tensor, never the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Optional
+
+import torch
+
+from trainer import storage
+from trainer.checkpoint import CheckpointError, CheckpointReader
+from trainer.checkpoint.keys import param_key
+from trainer.config import ModelConfig
+from trainer.hf.config import (
+    CONFIG,
+    GENERATION_CONFIG,
+    config_to_hf,
+    expected_tensors,
+    family_of,
+    ordered_params,
+)
+from trainer.hf.names import is_rotary, rotary_rows
+from trainer.hf.safetensors import DTYPE_CODES, INDEX, SINGLE
+from trainer.storage import Location
+
+
+class SafetensorsWriter:
+    """Writes tensors into safetensors files of at most `max_shard_bytes` (a tensor larger than
+    that gets a file of its own), plus model.safetensors.index.json when there are several.
+
+    The plan (every tensor's name, dtype and shape, in order) is given up front, so each file's
+    header is written first and the tensors are then streamed into it one at a time."""
+
+    def __init__(
+        self,
+        out: Location,
+        plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        max_shard_bytes: int,
+        metadata: Optional[dict] = None,
+    ):
+        self.out, self.metadata = out, {k: str(v) for k, v in (metadata or {}).items()}
+        groups, current, size = [], [], 0
+        for name, dtype, shape in plan:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if current and size + nbytes > max_shard_bytes:
+                groups.append(current)
+                current, size = [], 0
+            current.append((name, dtype, shape, nbytes))
+            size += nbytes
+        if current:
+            groups.append(current)
+        n = len(groups)
+        self.files = (
+            [SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        )
+        self.groups = groups
+        self.file_of = {t[0]: k for k, g in enumerate(groups) for t in g}
+        self._k, self._stream, self._pending = -1, None, []
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The next tensor of the plan (in order)."""
+        k = self.file_of[name]
+        if k != self._k:
+            self._open(k)
+        expect = self._pending.pop(0)
+        if expect[0] != name or tuple(tensor.shape) != expect[2] or tensor.dtype != expect[1]:
+            raise ValueError(
+                f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} out of plan: "
+                f"expected {expect[:3]}"
+            )
+        self._stream.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+    def _open(self, k: int) -> None:
+        self._close()
+        group = self.groups[k]
+        header, offset = {}, 0
+        for name, dtype, shape, nbytes in group:
+            header[name] = {
+                "dtype": DTYPE_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        if self.metadata:
+            header["__metadata__"] = self.metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as the reference writer does
+        loc = self.out.child(self.files[k])
+        self._stream = loc.fs.open_output_stream(loc.path, compression=None)
+        self._stream.write(struct.pack("<Q", len(raw)) + raw)
+        self._k, self._pending = k, list(group)
+
+    def _close(self) -> None:
+        if self._stream is not None:
+            if self._pending:
+                raise ValueError(f"{self.files[self._k]}: {len(self._pending)} tensors not written")
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> list[str]:
+        """Finish the files; write the index when there are several. Returns the file names."""
+        self._close()
+        if len(self.files) > 1:
+            total = sum(t[3] for g in self.groups for t in g)
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {t[0]: self.files[k] for k, g in enumerate(self.groups) for t in g},
+            }
+            storage.write_bytes(self.out.child(INDEX), json.dumps(index, indent=2).encode())
+            return self.files + [INDEX]
+        return self.files
+
+
+def export_hf(
+    path: str,
+    out_dir: str,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    log=print,
+) -> dict:
+    """Transformers' layout of the model in the checkpoint at `path`: config.json,
+    generation_config.json, model.safetensors (or shards + index) and, when the run used a
+    tokenizer.json that is still readable, tokenizer.json and tokenizer_config.json. One
+    tensor at a time: the exporter holds the largest tensor, never the model."""
+
+    with CheckpointReader(path) as reader:
+        raw = reader.state.get("model_config")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: no model_config in its state: cannot write config.json")
+        cfg = ModelConfig(**raw)
+        cfg.validate()
+        out = storage.resolve(out_dir)
+        out.fs.create_dir(out.path, recursive=True)
+        dtype = dtype or torch.float32
+        names = family_of(cfg).names
+        params = ordered_params(cfg)
+        shapes = expected_tensors(cfg)
+        plan = [(names.hf(f), dtype, shapes[f]) for f in params]
+        writer = SafetensorsWriter(
+            out, plan, max_shard_bytes, {"format": "pt", "step": reader.step}
+        )
+        for fqn in params:
+            t = reader.read_full(param_key(fqn)).view(shapes[fqn])
+            if is_rotary(fqn):
+                hd = cfg.dim // cfg.n_heads
+                hf = torch.empty_like(t)
+                hf[torch.from_numpy(rotary_rows(t.shape[0] // hd, hd))] = t
+                t = hf
+            writer.write(names.hf(fqn), t.to(dtype))
+            del t
+        files = writer.close()
+        tok = reader.state.get("tokenizer") or {}
+        step = reader.step
+    eos = tok.get("eod_id")
+    storage.write_bytes(
+        out.child(CONFIG), json.dumps(config_to_hf(cfg, dtype, eos), indent=2).encode()
+    )
+    generation = {"eos_token_id": eos, "max_length": cfg.max_seq_len}
+    storage.write_bytes(out.child(GENERATION_CONFIG), json.dumps(generation, indent=2).encode())
+    files += [CONFIG, GENERATION_CONFIG] + _export_tokenizer(tok, out, cfg, log)
+    log(f"export: step {step}, {len(params)} tensors in {dtype} -> {out_dir}: {', '.join(files)}")
+    return {"step": step, "files": files, "tensors": len(params)}
+
+
+def _export_tokenizer(tok: dict, out: Location, cfg: ModelConfig, log) -> list[str]:
+    name = tok.get("name")
+    if not name or name == "byte":
+        return []
+    try:
+        data = storage.read_bytes(storage.resolve(name))
+    except (OSError, storage.StorageError) as e:
+        log(f"export: the run's tokenizer {name} is not readable here ({e}); copy it yourself")
+        return []
+    storage.write_bytes(out.child("tokenizer.json"), data)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.max_seq_len,
+        "eos_token": tok.get("eod_token"),
+        "clean_up_tokenization_spaces": False,
+    }
+    storage.write_bytes(out.child("tokenizer_config.json"), json.dumps(config, indent=2).encode())
+    return ["tokenizer.json", "tokenizer_config.json"]

@@ -1,0 +1,150 @@
+"""One training step, the one recipe every caller runs: the loop, the benchmarks and the tests.
+
+    out = train_step(model, optimizer, micro_batches, global_tokens=B * T, grad_clip=1.0,
+                     scaler=scaler, world=world_size, device=device, lr=lr_at(cfg, steps, s))
+    out.loss, out.norm, out.bad        # device scalars: nothing here waits for the device
+
+For each micro-batch (inputs, targets, weight) of this rank: forward, the token-loss SUM divided
+by the GLOBAL token count (so the gradient does not depend on how many ranks or micro-batches
+computed it: DESIGN.md invariant 1), backward (all but the last under no_sync). Then the fp16
+scaler's unscale and overflow check, the global-norm clip, the loss summed over ranks, and the
+optimizer step unless the loss or the norm is not finite (the divergence guard: the update is
+not applied, `bad` says so) or fp16 overflowed on any rank (the scaler's business: skipped, the
+scale drops). zero_grad ends the step.
+
+`model` is our FSDPModel, or anything with its step interface (`__call__`, `no_sync()`,
+`grad_shards()`, `clip_grad_norm_(max)`, `zero_grad()`): benchmarks wrap torch's FSDP2 and DDP in
+TorchPeer to step them by the same recipe. Ray-free and torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.fsdp.mixed_precision import ShardedGradScaler
+from trainer.model import loss_sum
+from trainer.optim import guarded_step, set_lr
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor, float]
+"""(inputs, targets, weight): weight 0 for a placeholder micro-batch of a rank with fewer rows
+than micro-batches (it runs, so collectives pair up, and counts nothing)."""
+
+NO_SCALER = ShardedGradScaler(enabled=False)
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    """Mean token loss of the global batch (summed over ranks), a device scalar."""
+    norm: torch.Tensor
+    """Global gradient norm before clipping."""
+    bad: torch.Tensor
+    """True (a device bool) when the loss or the norm was not finite: the update was not applied."""
+    overflow: bool
+    """fp16 overflow on some rank: every rank skipped the step and the loss scale dropped."""
+
+
+def _no_phase(name: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def train_step(
+    model,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Iterable[MicroBatch],
+    *,
+    global_tokens: int,
+    grad_clip: float,
+    scaler: ShardedGradScaler = NO_SCALER,
+    world: int = 1,
+    device: Optional[torch.device] = None,
+    lr: Optional[float] = None,
+    grad_scale: float = 1.0,
+    phase: Callable[[str], ContextManager] = _no_phase,
+    on_gradients: Optional[Callable[[], None]] = None,
+) -> StepOutput:
+    """One optimizer step over this rank's micro-batches (see the module docstring).
+
+    `lr`: set on every parameter group first (the loop's schedule); None keeps it. `grad_scale`
+    multiplies the loss before backward (a peer that averages gradients over ranks takes world
+    here; a test blows one rank's loss up to force an fp16 overflow). `phase(name)` wraps
+    "forward", "backward" and "optimizer" (the benchmarks time and label them);
+    `on_gradients()` runs once the gradients are complete and unscaled, before the clip."""
+    if lr is not None:
+        set_lr(optimizer, lr)
+    loss_total = None
+    for (inputs, targets, weight), last in _with_last(micro_batches):
+        with contextlib.nullcontext() if last else model.no_sync():
+            with phase("forward"):
+                s, _ = loss_sum(model(inputs), targets, weight)
+            with phase("backward"):
+                scaler.scale_loss(s * grad_scale / global_tokens).backward()
+        loss_total = s.detach().float() if loss_total is None else loss_total + s.detach()
+    with phase("optimizer"):
+        overflow = scaler.unscale_and_check(model.grad_shards(), world, device)
+        if on_gradients is not None:
+            on_gradients()
+        norm = model.clip_grad_norm_(grad_clip)
+        if world > 1:
+            dist.all_reduce(loss_total)
+        bad = ~(torch.isfinite(loss_total) & torch.isfinite(norm))
+        if overflow:  # fp16 overflow on any rank: every rank skips this step, the scale drops
+            bad = torch.zeros_like(bad)  # the scaler's business, not a divergence
+        else:
+            guarded_step(optimizer, bad)
+        scaler.update(overflow)
+        model.zero_grad()
+    return StepOutput(loss_total / global_tokens, norm, bad, overflow)
+
+
+def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
+    """(item, is it the last) for each item, looking one ahead."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        raise ValueError("train_step: no micro-batch") from None
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+class TorchPeer:
+    """torch's FSDP2 or DDP behind the step interface, for the benchmarks and parity tests: the
+    same recipe steps them (torch's global-norm clip; DDP's gradients are views of its buckets,
+    so they are zeroed, not freed)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer, set_to_none: bool = True):
+        self.module, self.optimizer, self.set_to_none = module, optimizer, set_to_none
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return (
+            self.module.no_sync() if hasattr(self.module, "no_sync") else contextlib.nullcontext()
+        )
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        params = list(self.module.parameters())
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
