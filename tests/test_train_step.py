@@ -120,6 +120,8 @@ def test_the_reference_moves_far_more_than_the_tolerance(ref):
     """Would a broken update pass? The parameters move ~1e-3 per step: a run with any of the
     bugs in the module docstring misses by far more than TOL (checked: the no-decay group at lr 0
     misses by its whole update)."""
-    start = dict(build_model(tiny(), device="cpu", seed=SEED).named_parameters())
+    start = {
+        k: p.detach() for k, p in build_model(tiny(), device="cpu", seed=SEED).named_parameters()
+    }
     moved = {k: float((p - start[k]).abs().max()) for k, p in ref["params"].items()}
     assert min(moved.values()) > 100 * TOL, moved
