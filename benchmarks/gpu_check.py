@@ -57,7 +57,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # the refe
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine import allocation_high_water
-from benchmarks.gpu_stages import BUDGET_S, CUDA_HINT, run_all
+from benchmarks.gpu_stages import BUDGET_S, CUDA_HINT, MIN_STAGE_S, run_all
 from trainer.config import (
     DataConfig,
     ModelConfig,
@@ -518,7 +518,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--rows-file", type=Path, help="rewrite this JSON file with the rows after each row"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.budget_s < MIN_STAGE_S:  # every stage would be skipped: a check that checks nothing
+        p.error(
+            f"--budget-s {args.budget_s:g}: valid is at least {MIN_STAGE_S:g} (a stage "
+            f"needs that much; the default {BUDGET_S:g} fits the whole check)"
+        )
+    return args
 
 
 def main(argv=None) -> int:

@@ -102,18 +102,13 @@ def ref() -> dict:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_train_step_matches_a_hand_written_adamw_schedule_and_clip(ref, world):
-    got = run_distributed(ours, world)[0] if world > 1 else ours_at_world_1()
+    got = run_distributed(ours, world)[0] if world > 1 else ours(0, 1)  # 1: no process group
     for name in ("losses", "norms"):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got[name], ref[name]))
         assert worst < TOL, (name, worst, got[name], ref[name])
     for k, p in ref["params"].items():
         err = float((got["params"][k] - p).abs().max())
         assert err < TOL, f"{k}: max abs err {err:.2e} after {STEPS} steps"
-
-
-def ours_at_world_1() -> dict:
-    """World size 1 in this process: no process group needed."""
-    return ours(0, 1)
 
 
 def test_the_reference_moves_far_more_than_the_tolerance(ref):

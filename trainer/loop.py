@@ -344,7 +344,6 @@ class Trainer:
             self.step, self.result.final_loss, float(norm), seconds, m, eval_loss,
             self.ctx.after_step,
         )  # fmt: skip
-        self.report.logged(self.step)
 
 
 def evaluate(

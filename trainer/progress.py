@@ -88,6 +88,7 @@ class StepReport:
         m.update(memory_metrics(self.device))
         print0(self.line(step, loss, norm, m, evaluated))
         self.logger.log_metrics(m, step=step)  # "step N": N optimizer steps done, everywhere
+        self._since = (time.perf_counter(), step)
 
     def line(self, step: int, loss: float, norm: float, m: dict, evaluated: str) -> str:
         total = self.cfg.train.steps
@@ -102,10 +103,6 @@ class StepReport:
             f"mem {memory_text(m)} | {_clock(elapsed)} elapsed, ETA "
             f"{_clock(eta)} | world {self.world}"
         )
-
-    def logged(self, step: int) -> None:
-        """The clock of the next logged step starts now."""
-        self._since = (time.perf_counter(), step)
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:

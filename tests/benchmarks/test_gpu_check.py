@@ -78,6 +78,12 @@ def test_gpu_check_without_cuda_says_how_to_get_it():
     assert "PY=python3" in message
 
 
+def test_a_budget_too_small_for_any_stage_is_refused_naming_the_minimum(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--out", "x", "--budget-s", "5"])
+    assert "--budget-s 5: valid is at least 20" in capsys.readouterr().err
+
+
 def test_gpu_check_names_the_valid_models():
     with pytest.raises(SystemExit, match="valid are 125m, 1b"):
         gpu_check.setups(gpu_check.parse_args(["--models", "8b"]))

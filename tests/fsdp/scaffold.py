@@ -74,7 +74,7 @@ def reference(steps: int, global_batch: int, skip: tuple[int, ...] = ()):
     )
 
 
-def wrap(rank: int, world: int, policy=None, **sharding) -> FSDPModel:
+def wrap(rank: int, world: int, policy=None, device="cpu", **sharding) -> FSDPModel:
     """policy(model) -> the unit modules; None is the default (one unit per block)."""
     cfg = ShardingConfig(**sharding)
     mesh = build_mesh(cfg, rank, world, local_world_size=world)
@@ -82,7 +82,7 @@ def wrap(rank: int, world: int, policy=None, **sharding) -> FSDPModel:
         build_model(tiny(), device="meta"),
         cfg,
         mesh,
-        "cpu",
+        device,
         init_fn=initializer(SEED),
         **({"wrap_policy": policy} if policy else {}),
     )

@@ -48,13 +48,11 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 from torch.utils._pytree import tree_leaves
 
-from tests.fsdp.scaffold import CLIP, LR, SEED, SEQ, WD, batch, micro_batch_split, optimizer, tiny
-from trainer.config import OptimConfig, ShardingConfig
-from trainer.fsdp import build_mesh, parallelize
+from tests.fsdp.scaffold import CLIP, LR, SEQ, WD, batch, micro_batch_split, optimizer, wrap
+from trainer.config import OptimConfig
 from trainer.fsdp.accounting import COMM_OPS
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import full_gradients, full_parameters
-from trainer.model import build_model, initializer
 from trainer.optim import build_optimizer
 from trainer.step import train_step
 
@@ -206,18 +204,11 @@ def train_tiny(
     parameters (whole), per step the bytes the engine moved (in all and by collective) and the ms
     it waited on them, the steps skipped for an overflow, and what _final_state lists."""
     device = torch.device(device)
-    cfg = ShardingConfig(**sharding)
     lo, hi = rank * global_batch // world, (rank + 1) * global_batch // world
     tokens = global_batch * SEQ
     out = dict(losses=[], norms=[], comm_bytes=[], comm_by_op=[], exposed_ms=[], skipped=[])
     with rank_stream(device):
-        fsdp = parallelize(
-            build_model(tiny(), device="meta"),
-            cfg,
-            build_mesh(cfg, rank, world, local_world_size=world),
-            device,
-            init_fn=initializer(SEED),
-        )
+        fsdp = wrap(rank, world, device=device, **sharding)
         opt = _loop_optimizer(fsdp, lr)
         scaler = ShardedGradScaler(enabled=fsdp.param_dtype == torch.float16)
         for step in range(steps):
