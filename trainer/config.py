@@ -42,6 +42,10 @@ class ModelConfig:
 
     name: str = "tiny"
     """Preset name, for the record (tiny, 125m, 1b, 8b, hf)."""
+    family: str = "llama"
+    """The decoder family, as Hugging Face names it: llama, qwen2 (Qwen2/2.5: biases on the
+    query, key and value projections), qwen3 (RMSNorm on each query and key head) or mistral
+    (Llama-shaped). Set from config.json's model_type with model.hf_path."""
     vocab_size: int = 256
     """Vocabulary size: at least the tokenizer's (byte-level data: 256)."""
     dim: int = 256
@@ -54,6 +58,12 @@ class ModelConfig:
     """Key/value heads for grouped-query attention; None means n_heads."""
     ffn_dim: int = 768
     """Hidden size of the SwiGLU feed-forward."""
+    head_dim: Optional[int] = None
+    """Width of one attention head; None means dim // n_heads (Qwen3 decouples it)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2/2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
     max_seq_len: int = 2048
     """Longest sequence the rotary tables are built for."""
     norm_eps: float = 1e-5
@@ -85,13 +95,22 @@ class ModelConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v <= 0:
                 fail(f"model.{key}", v, "a positive integer")
-        if self.dim % self.n_heads:
+        if self.family not in FAMILY_NAMES:
+            fail("model.family", self.family, ", ".join(FAMILY_NAMES))
+        if self.head_dim is None and self.dim % self.n_heads:
             fail("model.n_heads", self.n_heads, f"a divisor of model.dim={self.dim}")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            fail("model.head_dim", self.head_dim, "null (dim // n_heads) or a positive integer")
         kv = self.kv_heads
         if kv <= 0 or self.n_heads % kv:
             fail("model.n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads={self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
-            fail("model.n_heads", self.n_heads, "a value giving an even head dim (rotary pairs)")
+        if self.head_size % 2:
+            key, v = (
+                ("model.head_dim", self.head_dim)
+                if self.head_dim
+                else ("model.n_heads", self.n_heads)
+            )
+            fail(key, v, "a value giving an even head dim (rotary pairs)")
         if self.rope_scaling not in (None, "llama3"):
             fail("model.rope_scaling", self.rope_scaling, "null or llama3")
         if self.rope_scaling and not self.rope_low_freq_factor < self.rope_high_freq_factor:
@@ -117,6 +136,15 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim, or dim // n_heads."""
+        return self.head_dim or self.dim // self.n_heads
+
+
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral")
+"""model.family's values (trainer/hf/ maps each to and from its Hugging Face config)."""
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -225,6 +253,9 @@ def _positive(x) -> bool:
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
 PREPARE_WITH = ("auto", "ray", "process")
+KINDS = ("text", "chat")
+TRAIN_ON = ("assistant", "last_assistant", "completion", "all")
+OVERLONG = ("truncate", "drop")
 
 
 @dataclass
@@ -290,6 +321,35 @@ class DataConfig:
     prepare_with: str = "auto"
     """ray (Ray Data tasks on the cluster's CPUs), process (this process), or auto: Ray Data
     when the sources hold more than 256 MiB."""
+    kind: str = "text"
+    """text (pre-training: documents back to back, windows cut across them) or chat
+    (fine-tuning: conversations rendered with the chat template, loss on data.train_on, whole
+    conversations packed into windows at preparation). data=chat sets it."""
+    messages_column: str = "messages"
+    """chat: the field or column holding a list of {role, content} messages."""
+    prompt_column: str = "prompt"
+    """chat: a record without data.messages_column may hold a prompt and a completion instead
+    (rendered as one user and one assistant turn)."""
+    completion_column: str = "completion"
+    """chat: the completion of a prompt/completion record."""
+    chat_template: Optional[str] = None
+    """chat: a Jinja chat template (a file, a URI or the template itself); None takes the
+    `chat_template` of the tokenizer_config.json beside data.tokenizer."""
+    eot_token: Optional[str] = None
+    """chat: the token that ends an assistant turn (trained on, and where generation stops);
+    None takes the tokenizer_config.json's eos_token."""
+    train_on: str = "assistant"
+    """chat: the loss tokens. assistant (every assistant turn and the end-of-turn token that
+    closes it, never headers or prompts), last_assistant (the last assistant turn only),
+    completion (the completion of prompt/completion records), all (every token but padding)."""
+    pack: bool = True
+    """chat: whole conversations packed into data.seq_len windows (attention does not cross
+    them, positions restart in each); false: one conversation per window, padded."""
+    overlong: str = "truncate"
+    """chat: a conversation longer than a window is truncated to it, or dropped (counted)."""
+    document_mask: bool = False
+    """text: attention does not cross the end-of-document token inside a window and positions
+    restart after it (chat windows always have it)."""
 
     def validate(self) -> None:
         if self.seq_len <= 0:
@@ -310,6 +370,21 @@ class DataConfig:
             source.validate(f"data.mix[{i}]")
         if not self.tokenizer:
             fail("data.tokenizer", self.tokenizer, "'byte' or the path/URI of a tokenizer.json")
+        if self.kind not in KINDS:
+            fail("data.kind", self.kind, ", ".join(KINDS))
+        if self.train_on not in TRAIN_ON:
+            fail("data.train_on", self.train_on, ", ".join(TRAIN_ON))
+        if self.overlong not in OVERLONG:
+            fail("data.overlong", self.overlong, ", ".join(OVERLONG))
+        if self.kind == "chat" and self.tokenizer == "byte":
+            fail(
+                "data.tokenizer",
+                self.tokenizer,
+                "with data.kind=chat, a tokenizer.json (its special tokens end the turns)",
+            )
+        for key in ("messages_column", "prompt_column", "completion_column"):
+            if not getattr(self, key):
+                fail(f"data.{key}", getattr(self, key), "a field or column name")
 
     def sources(self) -> list[SourceConfig]:
         """The sources, as a mix: data.mix, or data.source alone with weight 1."""
@@ -350,6 +425,11 @@ class TrainConfig:
     the end (0 = never; needs data.eval_fraction > 0)."""
     device: str = "auto"
     """'auto' (cuda if the worker has a GPU), 'cpu' or 'cuda'."""
+    sample_prompts: int = 2
+    """At each evaluation, this many fixed prompts of the eval split are generated from (greedy)
+    and logged to MLflow as samples/step_N.txt (0 = none)."""
+    sample_tokens: int = 48
+    """New tokens generated per sample prompt (fewer if it ends its turn)."""
     max_bad_steps: int = 3
     """A step whose loss or gradient norm is not finite (all ranks agree) is not applied; this
     many in a row stop the run with an error naming the step (a checkpoint holding a non-finite
@@ -374,6 +454,10 @@ class TrainConfig:
             )
         if self.eval_every < 0:
             fail("train.eval_every", self.eval_every, "an integer >= 0 (0 = never)")
+        for key in ("sample_prompts", "sample_tokens"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 0:
+                fail(f"train.{key}", v, "an integer >= 0")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("train.device", self.device, "auto, cpu or cuda")
 

@@ -1,14 +1,21 @@
-"""Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""The decoder of the Llama family and its relatives: RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU; Qwen2's query/key/value biases, Qwen3's per-head query/key norms and decoupled
+head width, Mistral as Llama (ModelConfig.family, qkv_bias, qk_norm, head_dim).
 
 Pure torch and no distributed code: the engine (trainer/fsdp) wraps `model.layers[i]` (one unit
 per block) and the rest (the root unit) by itself. What it relies on here:
 
-- Stable names: `tok_embeddings`, `layers.<i>.{attention_norm, attention.{wq,wk,wv,wo},
-  ffn_norm, feed_forward.{w1,w2,w3}}`, `norm`, `output`. No biases, no buffers.
-- A block is called as `block(x) -> x` with x of shape [B, T, dim]: one tensor in, one out, so the
-  engine may replace its forward with an activation-checkpointed call. A block reads only its own
-  parameters; the rotary tables it needs are computed from positions inside forward and cached in
-  a plain dict (not a buffer), so a model built on the meta device holds nothing but parameters.
+- Stable names: `tok_embeddings`, `layers.<i>.{attention_norm, attention.{wq,wk,wv,wo,q_norm,
+  k_norm}, ffn_norm, feed_forward.{w1,w2,w3}}`, `norm`, `output`. Biases only on wq/wk/wv
+  (qkv_bias). No buffers.
+- A block is called as `block(x, ctx) -> x` with x of shape [B, T, dim] and the forward's
+  AttentionContext (rotary tables at the tokens' positions, the document mask, the KV cache):
+  one tensor out, so the engine may replace its forward with an activation-checkpointed call.
+  A block reads only its own parameters; the rotary tables are cached in a plain dict (not a
+  buffer), so a model built on the meta device holds nothing but parameters.
+- Documents: `model(tokens, positions)` with positions restarting at 0 for each packed document
+  keeps attention inside each one (a dense mask for SDPA on the CPU, a FlexAttention block mask
+  on CUDA) and restarts the rotary positions.
 - `build_model(cfg)` builds on the meta device (the 8B model allocates nothing);
   `init_parameters(unit, seed, prefix)` fills any materialised sub-module deterministically from
   (seed, fully-qualified parameter name) alone, so per-unit and whole-model init agree.
@@ -21,7 +28,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +40,10 @@ from trainer.config import ModelConfig
 # ----------------------------------------------------------------------------- building blocks
 
 
-def _linear(in_features: int, out_features: int, init_std: float) -> nn.Linear:
-    """A bias-free Linear that carries its own init std, so init works on any sub-module."""
-    layer = nn.Linear(in_features, out_features, bias=False)
+def _linear(in_features: int, out_features: int, init_std: float, bias: bool = False) -> nn.Linear:
+    """A Linear that carries its own init std (biases start at zero), so init works on any
+    sub-module."""
+    layer = nn.Linear(in_features, out_features, bias=bias)
     layer.init_std = init_std
     return layer
 
@@ -84,13 +93,27 @@ class RotaryEmbedding:
                 self._cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
         return self._cache[key]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape [B, T, heads, head_dim] by its position along T."""
-        cos, sin = self.tables(x.shape[1], x.device, x.dtype)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    def at(self, positions: Positions, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) shaped to rotate [B, T, heads, head_dim]: for T positions from `offset`
+        (an int pair (offset, T)) or for per-token positions (a LongTensor [B, T])."""
+        if isinstance(positions, tuple):
+            offset, t = positions
+            cos, sin = self.tables(offset + t, device, dtype)
+            return cos[None, offset:, None, :], sin[None, offset:, None, :]
+        # Positions inside a window are below its length: the table of T rows covers them.
+        cos, sin = self.tables(positions.shape[1], device, dtype)
+        return cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+
+    def __call__(self, x: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """Rotate x of shape [B, T, heads, head_dim] by its position (0..T-1 by default)."""
+        cos, sin = cos_sin or self.at((0, x.shape[1]), x.device, x.dtype)
         pairs = x.unflatten(-1, (-1, 2))
         x0, x1 = pairs[..., 0], pairs[..., 1]
         return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+Positions = Union[tuple[int, int], torch.Tensor]
+"""(offset, length): consecutive positions; or a LongTensor [B, T] of per-token positions."""
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -106,30 +129,141 @@ def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor
     return torch.where(medium, smoothed, scaled)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention (n_kv_heads key/value heads shared by n_heads)."""
+# ----------------------------------------------------------------------------- attention context
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+
+class KVCache:
+    """Keys and values of every layer for generation: prefill, then one token at a time.
+
+        cache = KVCache(cfg, batch=1, max_len=512, device=device, dtype=torch.bfloat16)
+        logits = model(prompt, cache=cache)          # cache.length == prompt length
+        logits = model(next_token, cache=cache)      # attends to everything cached
+
+    The model's forward appends the tokens it is given; `length` grows after the last layer."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype: torch.dtype):
+        shape = (cfg.n_layers, batch, max_len, cfg.kv_heads, cfg.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store this forward's k, v [B, T, kv, hd] at the cache's end; all keys/values so far."""
+        t = k.shape[1]
+        end = self.length + t
+        if end > self.max_len:
+            raise ValueError(f"KVCache: {end} tokens do not fit its max_len={self.max_len}")
+        self.k[layer, :, self.length : end] = k.to(self.k.dtype)
+        self.v[layer, :, self.length : end] = v.to(self.v.dtype)
+        return self.k[layer, :, :end].to(k.dtype), self.v[layer, :, :end].to(v.dtype)
+
+
+@dataclass
+class AttentionContext:
+    """What every block's attention shares in one forward: the rotary tables at the tokens'
+    positions, the document mask (None: plain causal), and the KV cache when generating. Built
+    once per forward by the Transformer; a block called alone (`block(x)`) makes a causal one."""
+
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
+    mask: Optional[object] = None
+    """None (causal), a bool Tensor [B, 1, T, T] (True = may attend) or a FlexAttention
+    BlockMask (CUDA)."""
+    cache: Optional[KVCache] = None
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> the document of each token: a new one starts wherever the position is 0."""
+    return torch.cumsum((positions == 0).to(torch.int32), dim=1)
+
+
+def document_mask(positions: torch.Tensor, block: Optional[bool] = None):
+    """Causal attention inside each document, never across: a dense bool mask [B, 1, T, T] for
+    scaled_dot_product_attention on the CPU (FlexAttention has no backward there), a block mask
+    for compiled FlexAttention on CUDA (it skips the blocks that are masked out entirely).
+    `block` forces one or the other (tests compare them on the CPU)."""
+    doc = document_ids(positions)
+    b, t = doc.shape
+    if block if block is not None else positions.device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 -- CUDA only
+
+        def same_document_causal(batch, head, q, kv):
+            return (doc[batch, q] == doc[batch, kv]) & (q >= kv)
+
+        return create_block_mask(same_document_causal, b, None, t, t, device=positions.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+_flex = None
+
+
+def _flex_attention(q, k, v, block_mask):
+    """FlexAttention, compiled once (eager it materialises the whole score matrix)."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415 -- CUDA only
+
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex(q, k, v, block_mask=block_mask)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, offset: int = 0):
+    """q [B, H, Tq, hd] over k, v [B, H, Tk, hd]: causal (query i is at position offset + i),
+    or by `mask` (see AttentionContext.mask)."""
+    if mask is None:
+        tq, tk = q.shape[2], k.shape[2]
+        if tq == tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if tq == 1:  # one new token sees everything cached
+            return F.scaled_dot_product_attention(q, k, v)
+        allowed = torch.arange(tk, device=q.device)[None, :] <= (
+            offset + torch.arange(tq, device=q.device)[:, None]
+        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    if torch.is_tensor(mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return _flex_attention(q, k, v, mask)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention (n_kv_heads key/value heads shared by n_heads), with
+    Qwen2's query/key/value biases and Qwen3's per-head query/key RMSNorm when configured."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        kv_dim = self.n_kv_heads * self.head_dim
-        self.wq = _linear(cfg.dim, cfg.dim, cfg.init_std)
-        self.wk = _linear(cfg.dim, kv_dim, cfg.init_std)
-        self.wv = _linear(cfg.dim, kv_dim, cfg.init_std)
+        self.head_dim = cfg.head_size
+        self.layer = layer  # its slot in a KVCache
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wq = _linear(cfg.dim, q_dim, cfg.init_std, bias=cfg.qkv_bias)
+        self.wk = _linear(cfg.dim, kv_dim, cfg.init_std, bias=cfg.qkv_bias)
+        self.wv = _linear(cfg.dim, kv_dim, cfg.init_std, bias=cfg.qkv_bias)
         # Output projections write into the residual stream: scaled so its variance stays O(1).
-        self.wo = _linear(cfg.dim, cfg.dim, _residual_std(cfg))
+        self.wo = _linear(q_dim, cfg.dim, _residual_std(cfg))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Optional[AttentionContext] = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.rotary(self.wq(x).view(b, t, self.n_heads, self.head_dim))
-        k = self.rotary(self.wk(x).view(b, t, self.n_kv_heads, self.head_dim))
+        if ctx is None:
+            ctx = AttentionContext(self.rotary.at((0, t), x.device, x.dtype))
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, ctx.cos_sin), self.rotary(k, ctx.cos_sin)
+        offset = 0
+        if ctx.cache is not None:
+            offset = ctx.cache.length
+            k, v = ctx.cache.append(self.layer, k, v)
         k, v = self._repeat_kv(k), self._repeat_kv(v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx.mask, offset)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
     def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,46 +289,71 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block. Called as `block(x) -> x`, x: [B, T, dim]."""
+    """Pre-norm residual block. Called as `block(x, ctx) -> x`, x: [B, T, dim]; `ctx` (the
+    forward's AttentionContext) may be left out for plain causal attention at positions 0..T-1."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Optional[RotaryEmbedding] = None):
+    def __init__(self, cfg: ModelConfig, rotary: Optional[RotaryEmbedding] = None, layer: int = 0):
         super().__init__()
         if rotary is None:
-            rotary = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta, cfg)
+            rotary = RotaryEmbedding(cfg.head_size, cfg.rope_theta, cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, rotary)
+        self.attention = Attention(cfg, rotary, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, ctx: Optional[AttentionContext] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), ctx)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """tokens [B, T] (int64) -> logits [B, T, vocab] in the compute dtype."""
+    """tokens [B, T] (int64) -> logits [B, T, vocab] in the compute dtype.
+
+    `positions` [B, T]: each token's position inside its document, a 0 starting the next one
+    (packed fine-tuning windows, data.document_mask): attention stays inside each document and
+    the rotary embedding uses these positions. `cache`: a KVCache to append to (generation)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
         # One rotary table cache shared by all blocks (tables are identical across layers).
-        rotary = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta, cfg)
+        self.rotary = RotaryEmbedding(cfg.head_size, cfg.rope_theta, cfg)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_embeddings.init_std = cfg.init_std
-        self.layers = nn.ModuleList(TransformerBlock(cfg, rotary) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(cfg, self.rotary, i) for i in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Tied: the head reads the embedding matrix; there is no second parameter to keep equal.
         self.output = None if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
+        ctx = self.context(tokens, positions, cache, h.dtype)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, ctx)
+        if cache is not None:
+            cache.length += tokens.shape[1]
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def context(self, tokens, positions, cache, dtype) -> AttentionContext:
+        if positions is not None and cache is not None:
+            raise ValueError("Transformer: positions (documents) and a KV cache do not mix")
+        if positions is None:
+            offset = 0 if cache is None else cache.length
+            cos_sin = self.rotary.at((offset, tokens.shape[1]), tokens.device, dtype)
+            return AttentionContext(cos_sin, None, cache)
+        cos_sin = self.rotary.at(positions, tokens.device, dtype)
+        return AttentionContext(cos_sin, document_mask(positions))
 
 
 def _residual_std(cfg: ModelConfig) -> float:
@@ -266,9 +425,12 @@ def _named_params_with_owner(module: nn.Module):
 
 
 def _init_rule(owner: nn.Module, fqn: str) -> Optional[float]:
-    """None means ones (norm gains); a float is the std of a zero-mean normal."""
+    """None means ones (norm gains), 0.0 zeros (biases); a float is the std of a zero-mean
+    normal."""
     if isinstance(owner, RMSNorm):
         return None
+    if fqn.endswith(".bias"):
+        return 0.0
     std = getattr(owner, "init_std", None)
     if std is None:
         raise ValueError(
@@ -281,6 +443,8 @@ def _init_rule(owner: nn.Module, fqn: str) -> Optional[float]:
 def _draw_into(p: torch.Tensor, fqn: str, seed: int, std: Optional[float]) -> None:
     if std is None:
         p.fill_(1.0)
+    elif std == 0.0:
+        p.zero_()
     else:
         p.normal_(0.0, std, generator=_generator(fqn, seed))
 
@@ -292,6 +456,8 @@ def _generator(fqn: str, seed: int) -> torch.Generator:
 def _draw(fqn: str, seed: int, shape: torch.Size, std: Optional[float]) -> torch.Tensor:
     if std is None:
         return torch.ones(shape)
+    if std == 0.0:
+        return torch.zeros(shape)
     return torch.empty(shape, dtype=torch.float32).normal_(
         0.0, std, generator=_generator(fqn, seed)
     )
@@ -302,9 +468,10 @@ def _draw(fqn: str, seed: int, shape: torch.Size, std: Optional[float]) -> torch
 
 def count_params(cfg: ModelConfig) -> int:
     """Exact parameter count, analytically (no allocation)."""
-    head_dim = cfg.dim // cfg.n_heads
-    kv_dim = cfg.kv_heads * head_dim
-    attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim
+    q_dim, kv_dim = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    attention = 2 * cfg.dim * q_dim + 2 * cfg.dim * kv_dim
+    attention += (q_dim + 2 * kv_dim) if cfg.qkv_bias else 0
+    attention += 2 * cfg.head_size if cfg.qk_norm else 0
     block = attention + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
     embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.dim
     return embeddings + cfg.n_layers * block + cfg.dim
@@ -319,7 +486,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     convention, so MFU figures are comparable with published ones.
     """
     n = count_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor, weight=None):
@@ -329,8 +496,8 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, weight=None):
     the gradient does not depend on how the batch was split over ranks and micro-batches.
     Cross-entropy is computed in fp32 even from bf16 logits. `weight` is None, a number (a
     micro-batch weight: 0.0 marks a padding micro-batch that must still run backward but adds
-    nothing), or a tensor shaped like `targets` (per-token weights; tokens with weight 0 are not
-    counted).
+    nothing), or a tensor shaped like `targets` (per-token weights, the loss mask of fine-tuning;
+    tokens with weight 0 are not counted, and the count is then a device tensor).
     """
     flat_logits = logits.reshape(-1, logits.shape[-1]).float()
     flat_targets = targets.reshape(-1)
@@ -340,4 +507,4 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, weight=None):
         return total, (flat_targets.numel() if w != 0 else 0)
     per_token = F.cross_entropy(flat_logits, flat_targets, reduction="none")
     w = weight.reshape(-1).to(per_token.dtype)
-    return (per_token * w).sum(), int((w != 0).sum())
+    return (per_token * w).sum(), (w != 0).sum()  # a device count: reading it would sync

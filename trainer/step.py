@@ -4,13 +4,14 @@
                      scaler=scaler, world=world_size, device=device, lr=lr_at(cfg, steps, s))
     out.loss, out.norm, out.bad        # device scalars: nothing here waits for the device
 
-For each micro-batch (inputs, targets, weight) of this rank: forward, the token-loss SUM divided
-by the GLOBAL token count (so the gradient does not depend on how many ranks or micro-batches
-computed it: DESIGN.md invariant 1), backward (all but the last under no_sync). Then the fp16
-scaler's unscale and overflow check, the global-norm clip, the loss summed over ranks, and the
-optimizer step unless the loss or the norm is not finite (the divergence guard: the update is
-not applied, `bad` says so) or fp16 overflowed on any rank (the scaler's business: skipped, the
-scale drops). zero_grad ends the step.
+For each micro-batch (inputs, targets, weight[, positions]) of this rank: forward, the token-loss
+SUM divided by the GLOBAL loss-token count of the step (so the gradient does not depend on how
+many ranks or micro-batches computed it, nor on how documents fell on ranks: DESIGN.md
+invariant 1), backward (all but the last under no_sync). Then the fp16 scaler's unscale and
+overflow check, the global-norm clip, the loss summed over ranks, and the optimizer step unless
+the loss or the norm is not finite (the divergence guard: the update is not applied, `bad` says
+so) or fp16 overflowed on any rank (the scaler's business: skipped, the scale drops). zero_grad
+ends the step.
 
 `model` is our FSDPModel, or anything with its step interface (`__call__`, `no_sync()`,
 `grad_shards()`, `clip_grad_norm_(max)`, `zero_grad()`): benchmarks wrap torch's FSDP2 and DDP in
@@ -30,9 +31,12 @@ from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.model import loss_sum
 from trainer.optim import guarded_step, set_lr
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor, float]
-"""(inputs, targets, weight): weight 0 for a placeholder micro-batch of a rank with fewer rows
-than micro-batches (it runs, so collectives pair up, and counts nothing)."""
+MicroBatch = tuple
+"""(inputs, targets, weight) or (inputs, targets, weight, positions). weight: a number (0 for a
+placeholder micro-batch of a rank with fewer rows than micro-batches: it runs, so collectives
+pair up, and counts nothing) or per-token loss weights shaped like targets (fine-tuning's loss
+mask). positions: None, or each token's position in its packed document (the model keeps
+attention inside documents)."""
 
 NO_SCALER = ShardedGradScaler(enabled=False)
 
@@ -78,10 +82,10 @@ def train_step(
     if lr is not None:
         set_lr(optimizer, lr)
     loss_total = None
-    for (inputs, targets, weight), last in _with_last(micro_batches):
+    for (inputs, targets, weight, *positions), last in _with_last(micro_batches):
         with contextlib.nullcontext() if last else model.no_sync():
             with phase("forward"):
-                s, _ = loss_sum(model(inputs), targets, weight)
+                s, _ = loss_sum(forward(model, inputs, *positions), targets, weight)
             with phase("backward"):
                 scaler.scale_loss(s * grad_scale / global_tokens).backward()
         loss_total = s.detach().float() if loss_total is None else loss_total + s.detach()
@@ -100,6 +104,12 @@ def train_step(
         scaler.update(overflow)
         model.zero_grad()
     return StepOutput(loss_total / global_tokens, norm, bad, overflow)
+
+
+def forward(model, inputs: torch.Tensor, positions: Optional[torch.Tensor] = None):
+    """The logits; positions are passed only when there are some (a peer's model may not
+    take them)."""
+    return model(inputs) if positions is None else model(inputs, positions)
 
 
 def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:

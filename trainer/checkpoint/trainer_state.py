@@ -118,5 +118,12 @@ def cpu_rng_state() -> str:
 def model_digest(model: ModelConfig) -> str:
     """A checkpoint only loads into the same model shape (where a Hugging Face model came from
     is not part of its shape)."""
-    shape = {k: v for k, v in dataclasses.asdict(model).items() if k != "hf_path"}
+    # Fields added after checkpoints existed count only away from their default (a Llama of
+    # before them keeps its digest).
+    later = {"family": "llama", "head_dim": None, "qkv_bias": False, "qk_norm": False}
+    shape = {
+        k: v
+        for k, v in dataclasses.asdict(model).items()
+        if k != "hf_path" and not (k in later and later[k] == v)
+    }
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
