@@ -35,6 +35,9 @@ Measured in one run, on one machine, in a temporary folder removed at the end:
    --small-windows loader windows (window = depth x global_batch x (seq_len + 1) tokens), the
    large one is the whole corpus tokenized by bytes (hundreds of windows): the two peaks should
    be about equal, as a worker holds its window, never the dataset.
+5. Fine-tuning windows (benchmarks/packing.py): a synthetic chat corpus prepared packed and
+   padded; useful (loss) tokens/s of training on each, and the step-time cost of the document
+   mask against plain causal attention, on the tiny and mid models (--no-packing skips it).
 The last line of output is one JSON object with the headline figures.
 """
 
@@ -61,6 +64,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.fs as pafs
 
+from benchmarks.packing import packing_headline, part_packing, table_packing
 from cluster.prepare import TokenizeUnits, ray_data_runner
 from trainer.config import DataConfig
 from trainer.data import (
@@ -814,6 +818,7 @@ QUICK = dict(
     reps=3,
     first_batch_tries=3,
     memory_steps=20,
+    chat_conversations=120,
 )
 
 
@@ -840,6 +845,10 @@ def parse_args(argv=None):
     p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray (2)")
     p.add_argument("--no-ray", action="store_true", help="skip Ray (compare with its UDF)")
     p.add_argument("--seed", type=int, default=0, help="corpus and sample order seed")
+    p.add_argument(
+        "--chat-conversations", type=int, default=600, help="part 5's chat corpus size (600)"
+    )
+    p.add_argument("--no-packing", action="store_true", help="skip part 5 (fine-tuning windows)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a few seconds")
     p.add_argument("--dir", default=None, help="parent of the temporary folder (system temp)")
     args = p.parse_args(argv)
@@ -859,6 +868,7 @@ def parse_args(argv=None):
         "memory_steps",
         "small_windows",
         "ray_cpus",
+        "chat_conversations",
     )
     for key in positive:
         if getattr(args, key) < 1:
@@ -883,10 +893,15 @@ def main(argv=None) -> None:
         print(table_first_batch(first, args), end="\n\n", flush=True)
         mem = part_memory(args, work, prep["corpus"], prep["byte"].uri)
         print(table_memory(mem, args), end="\n\n", flush=True)
+        packing = {} if args.no_packing else part_packing(args, work)
+        if packing:
+            print(table_packing(packing, args), end="\n\n", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"work folder {work} (removed); {os.cpu_count()} CPUs")
-    print(json.dumps(headline(prep, loader, first, mem, args)), flush=True)
+    head = headline(prep, loader, first, mem, args)
+    head.update(packing_headline(packing) if packing else {})
+    print(json.dumps(head), flush=True)
 
 
 if __name__ == "__main__":

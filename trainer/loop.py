@@ -51,7 +51,7 @@ from trainer.metrics import MetricsLogger, NullLogger, print0
 from trainer.model import build_model, flops_per_token, initializer, loss_sum
 from trainer.optim import build_optimizer, lr_at
 from trainer.progress import StepReport
-from trainer.step import train_step
+from trainer.step import forward, train_step
 
 
 @dataclass
@@ -121,12 +121,16 @@ class Trainer:
         self.data = PreparedData.open(ctx.data_dir or find_dataset(d.prepared_dir))
         check_vocab(cfg, self.data.vocab_size, self.data.manifest.tokenizer["name"])  # early
         weights = [s.weight for s in d.sources()]
-        self.batches = Batches(self.data, d.seq_len, d.seed, t.global_batch_size, weights)
+        self.batches = Batches(
+            self.data, d.seq_len, d.seed, t.global_batch_size, weights,
+            document_mask=d.document_mask,
+        )  # fmt: skip
         self.eval_batches = None
         if t.eval_every:
             self.eval_batches = Batches(
-                self.data, d.seq_len, d.seed, d.eval_sequences, weights, "eval", EVAL_TAG
-            )
+                self.data, d.seq_len, d.seed, d.eval_sequences, weights, "eval", EVAL_TAG,
+                document_mask=d.document_mask,
+            )  # fmt: skip
         if self.device.type == "cuda":
             self._check_device_memory()
         self.mesh = build_mesh(cfg.sharding, self.rank, self.world, ctx.local_world_size)
@@ -267,7 +271,7 @@ class Trainer:
             self.model,
             self.optimizer,
             self._micro_batches(),
-            global_tokens=self.global_tokens,
+            global_tokens=self.batches.loss_tokens(self.step),  # fine-tuning: its loss tokens
             grad_clip=self.cfg.optim.grad_clip,
             scaler=self.scaler,
             world=self.world,
@@ -278,14 +282,15 @@ class Trainer:
         return out.loss, out.norm, out.bad
 
     def _micro_batches(self):
-        """(inputs, targets, weight) of this rank's micro-batches of the step, on the device."""
+        """(inputs, targets, weight, positions) of this rank's micro-batches of the step, on the
+        device: weight is the loss mask where the data has one (fine-tuning), and positions
+        restart at each packed document (None for plain pre-training windows)."""
         for mb in self.loader.next(self.step):
             if self.ctx.record_samples and mb.weight:
                 self.result.samples += [
                     (self.step, int(s), int(i)) for s, i in zip(mb.sources, mb.sample_ids)
                 ]
-            mb = mb.to(self.device, non_blocking=True)
-            yield mb.inputs, mb.targets, mb.weight
+            yield model_inputs(mb.to(self.device, non_blocking=True))
 
     def eval_due(self) -> bool:
         every = self.cfg.train.eval_every
@@ -354,14 +359,20 @@ def evaluate(
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for mb in batches.fixed_micro_batches(batches.global_batch, rank, world, rows):
-            mb = mb.to(device, non_blocking=True)
-            s, n = loss_sum(model(mb.inputs), mb.targets, mb.weight)
-            total += torch.stack(
-                [s.double(), torch.tensor(float(n), dtype=torch.float64, device=device)]
-            )
+            inputs, targets, weight, positions = model_inputs(mb.to(device, non_blocking=True))
+            s, n = loss_sum(forward(model, inputs, positions), targets, weight)
+            n = torch.as_tensor(n, dtype=torch.float64, device=device)
+            total += torch.stack([s.double(), n])
     if world > 1:
         dist.all_reduce(total)
     return float(total[0] / total[1])
+
+
+def model_inputs(mb) -> tuple:
+    """(inputs, targets, weight, positions) of a micro-batch on its device, as train_step takes
+    them: the per-token loss weights when the data has a loss mask, else the number weight."""
+    weights = mb.loss_weights
+    return mb.inputs, mb.targets, mb.weight if weights is None else weights, mb.input_positions
 
 
 def run_training(cfg: TrainerConfig, ctx: WorkerContext) -> TrainResult:

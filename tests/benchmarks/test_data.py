@@ -26,6 +26,10 @@ POSITIVE = (
     "dataset_small_tokens",
     "dataset_large_tokens",
     "window_tokens",
+    "packed_vs_padded_useful_tiny",
+    "document_mask_vs_causal_tiny",
+    "packed_useful_tokens_per_s_tiny",
+    "padded_vs_packed_windows_128",
 )
 RAY_ONLY = ("prepare_ray_tokens_per_s", "prepare_ray_vs_process", "prepare_ray_init_s")
 
@@ -43,7 +47,12 @@ def test_data_benchmark_quick_run_without_ray_ends_with_headline_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("1. preparation"), proc.stdout  # the tables come first
-    for title in ("2. loader vs raw", "3. time to first batch", "4. worker memory"):
+    for title in (
+        "2. loader vs raw",
+        "3. time to first batch",
+        "4. worker memory",
+        "5. fine-tuning windows",
+    ):
         assert any(line.startswith(title) for line in lines), proc.stdout
     head = json.loads(lines[-1])
     for key in POSITIVE:

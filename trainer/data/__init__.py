@@ -6,6 +6,7 @@
     loader = Loader(batches, rank, world, micro_batches, start, stop, depth)
 
     python -m trainer.data inspect data/prepared      # what a preparation holds, a decoded sample
+    python -m trainer.data prepare data.kind=chat data.source=sft.jsonl data.tokenizer=tok.json
     python -m trainer.data train-tokenizer data.source=corpus/ --vocab-size 32000 --out tok.json
     python -m trainer.data prepare data.source=corpus/ data.tokenizer=tok.json   # in this process
     python -m cluster.prepare data.source=s3://...    # the same on Ray Data, on a cluster
@@ -14,6 +15,7 @@ The data order is a pure function of (seed, epoch, global position) over the pre
 global index (sampler.py), so a run resumes exactly at any world size.
 """
 
+from .chat import ChatTemplate, encode_conversation, load_chat_template, read_tokenizer_config
 from .dataset import MANIFEST, DataError, PreparedData, TokenStream, find_dataset
 from .loader import EVAL_TAG, Batches, Loader, MicroBatch
 from .preparation import (
@@ -33,6 +35,7 @@ from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype, 
 __all__ = [
     "Batches",
     "ByteTokenizer",
+    "ChatTemplate",
     "DataError",
     "EVAL_TAG",
     "GlobalOrder",
@@ -48,16 +51,19 @@ __all__ = [
     "WorkUnit",
     "check_vocab",
     "dataset_dir",
+    "encode_conversation",
     "detect_format",
     "find_dataset",
     "global_tokens_per_step",
     "list_files",
+    "load_chat_template",
     "load_tokenizer",
     "plan_and_check",
     "plan_preparation",
     "prepare",
     "process_unit",
     "rank_range",
+    "read_tokenizer_config",
     "token_dtype",
     "train_tokenizer",
 ]

@@ -2,6 +2,7 @@
 
     python -m trainer.data inspect data/prepared                 # every preparation under it
     python -m trainer.data inspect data/prepared/3f2a... --verify   # and check every shard's crc32
+    (chat data: a decoded window with its loss tokens in [[...]], and the packing efficiency)
     python -m trainer.data train-tokenizer data.source=corpus/ data.format=jsonl \\
         --vocab-size 32000 --out tokenizer.json
     python -m trainer.data prepare data.source=corpus/ data.tokenizer=tokenizer.json
@@ -21,6 +22,7 @@ from trainer import storage
 from trainer.config import ConfigError, DataConfig
 
 from .dataset import MANIFEST, DataError, PreparedData
+from .packing import efficiency
 from .preparation import plan_preparation, prepare
 from .sources import Counts, read_documents
 from .tokenizer import load_tokenizer, train_tokenizer
@@ -101,7 +103,10 @@ def _inspect_one(path: str, verify: bool) -> int:
                 )
         if s.skipped:
             print(f"  skipped   {', '.join(f'{k} {v:,}' for k, v in sorted(s.skipped.items()))}")
-    _print_sample(data)
+    if data.width is None:
+        _print_sample(data)
+    else:
+        _print_window(data)
     if verify:
         problems = data.verify()
         for p in problems:
@@ -126,6 +131,34 @@ def _print_sample(data: PreparedData, tokens: int = 64) -> None:
         f"sample:     first {len(ids)} tokens of source 0: {ids[:16].tolist()}...\n"
         f"            decoded: {text!r}"
     )
+
+
+def _print_window(data: PreparedData, chars: int = 2000) -> None:
+    """Chat: window 0 decoded with its loss tokens in [[...]], and real tokens per slot."""
+    shards = [sh for s in data.manifest.sources for sp in s.splits.values() for sh in sp.shards]
+    slots = sum(sh.tokens for sh in shards)
+    real = sum(sh.real_tokens for sh in shards)
+    windows = sum(sh.windows for sh in shards)
+    print(
+        f"layout:     {windows:,} windows of {data.width} tokens, packing efficiency "
+        f"{efficiency(real, slots):.1%} ({real:,} real tokens in {slots:,} slots)"
+    )
+    ids = data.stream(0, "train").read(0, data.width)
+    mask = data.extra_stream("mask", 0, "train").read(0, data.width)
+    try:
+        tok = load_tokenizer(data.manifest.tokenizer["name"], data.manifest.tokenizer["eod_token"])
+    except ConfigError as e:
+        print(f"sample:     (tokenizer not readable here: {e})")
+        return
+    pieces, start = [], 0
+    for end in range(1, len(ids) + 1):  # runs of equal mask, decoded together
+        if end == len(ids) or mask[end] != mask[start]:
+            text = tok.decode(ids[start:end])
+            pieces.append(f"[[{text}]]" if mask[start] else text)
+            start = end
+    text = "".join(pieces)
+    more = f"... ({len(text) - chars:,} more characters)" if len(text) > chars else ""
+    print(f"sample:     window 0 of source 0, loss tokens in [[...]]:\n{text[:chars]}{more}")
 
 
 def cmd_train_tokenizer(cfg: DataConfig, vocab_size: int, out: str, max_docs: int) -> int:

@@ -15,6 +15,13 @@ Layout of `<prepared_dir>/`:
     <digest12>-s000-u000017.done.json    the unit's record: written after its shards, so a
                                          preparation that died resumes at the first unfinished unit
 
+Chat preparations (layout "windows", data.kind=chat) store fixed windows of W = seq_len + 1
+tokens: sample i is tokens [i*W, (i+1)*W). Beside each `<name>.bin`: `<name>.mask.bin` (uint8
+per token, 1 = a loss target), `<name>.pos.bin` (uint16, or uint32 when W > 65535: the token's
+position inside its document) and `<name>.count.bin` (uint32 per window: its loss tokens), each
+with its crc32 in the shard's `files`. Text preparations are layout "stream" (manifests written
+before layouts existed read as that): sample i is tokens [i*T, i*T + T + 1).
+
 The token stream of a (source, split) is its shards back to back, in manifest order. The
 manifest's cumulative token counts are the global index: global token position p is found in a
 shard by binary search, without reading any data, so a worker reads only the byte ranges of the
@@ -40,6 +47,10 @@ FORMAT = "elastic-fsdp-tokens"
 VERSION = 2
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
+STREAM = {"kind": "stream"}
+"""The layout of text preparations: one token stream, windows cut across documents."""
+EXTRA_FILES = {"mask": "mask", "positions": "pos", "counts": "count"}
+"""Files beside a windows shard's tokens: kind -> the suffix of its name."""
 
 
 class DataError(RuntimeError):
@@ -48,6 +59,15 @@ class DataError(RuntimeError):
 
 def shard_name(digest: str, source: int, unit: int, split: str) -> str:
     return f"{digest[:12]}-s{source:03d}-u{unit:06d}-{split}.bin"
+
+
+def extra_name(shard: str, kind: str) -> str:
+    """`<name>.mask.bin` etc. beside the tokens file `<name>.bin`."""
+    return f"{shard.removesuffix('.bin')}.{EXTRA_FILES[kind]}.bin"
+
+
+def positions_dtype(width: int) -> np.dtype:
+    return np.dtype(np.uint16) if width <= 2**16 else np.dtype(np.uint32)
 
 
 def unit_record_name(digest: str, source: int, unit: int) -> str:
@@ -61,6 +81,18 @@ class ShardInfo:
     documents: int
     nbytes: int
     crc32: int
+    windows: int = 0
+    """Layout windows: the windows in the shard (tokens = windows x width)."""
+    real_tokens: int = 0
+    """Layout windows: tokens that are not padding."""
+    files: dict = field(default_factory=dict)
+    """Layout windows: kind (mask, positions, counts) -> {name, nbytes, crc32}."""
+
+    def extra(self, kind: str) -> "ShardInfo":
+        """The file of `kind` beside the tokens, as a ShardInfo of its elements."""
+        f = self.files[kind]
+        n = self.windows if kind == "counts" else self.tokens
+        return ShardInfo(f["name"], n, self.documents, f["nbytes"], f["crc32"])
 
 
 @dataclass
@@ -99,6 +131,8 @@ class Manifest:
     sources: list[SourceIndex]
     settings: dict
     created: float
+    layout: dict = field(default_factory=lambda: dict(STREAM))
+    """{"kind": "stream"} (text), or {"kind": "windows", "width": W, "positions_dtype": ...}."""
 
     def to_json(self) -> bytes:
         body = asdict(self)
@@ -133,6 +167,7 @@ class Manifest:
                 sources,
                 doc["settings"],
                 doc["created"],
+                doc.get("layout", dict(STREAM)),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: not a valid manifest ({type(e).__name__}: {e})") from None
@@ -327,8 +362,31 @@ class PreparedData:
 
     def tokenizer_info(self) -> dict:
         """The tokenizer as the manifest records it: name (byte, or its tokenizer.json),
-        digest, vocab_size, eod_id and eod_token."""
+        digest, vocab_size, eod_id and eod_token; with a tokenizer_config.json or a chat
+        template also chat_template, tokenizer_config, bos_token, bos_id, eos_token,
+        eot_token and stop_ids (every id that ends a turn, the end-of-turn id first)."""
         return dict(self.manifest.tokenizer)
+
+    @property
+    def width(self) -> Optional[int]:
+        """Layout windows: the window width W (= data.seq_len + 1); None for a stream."""
+        layout = self.manifest.layout
+        return int(layout["width"]) if layout.get("kind") == "windows" else None
+
+    def extra_stream(self, kind: str, source: int, split: str = "train") -> TokenStream:
+        """Layout windows: the mask or positions of a (source, split), aligned with its tokens."""
+        shards = [s.extra(kind) for s in self.manifest.sources[source].splits[split].shards]
+        dtype = {"mask": "uint8", "counts": "uint32"}.get(kind)
+        dtype = dtype or self.manifest.layout["positions_dtype"]
+        return TokenStream(self.root, SplitIndex(shards), np.dtype(dtype))
+
+    def window_counts(self, source: int, split: str = "train") -> np.ndarray:
+        """Layout windows: the loss tokens of each window of a (source, split), uint32."""
+        stream = self.extra_stream("counts", source, split)
+        try:
+            return stream.read(0, len(stream)) if len(stream) else np.zeros(0, np.uint32)
+        finally:
+            stream.close()
 
     @property
     def num_sources(self) -> int:
@@ -361,6 +419,8 @@ class PreparedData:
                     if names is not None and shard.name not in names:
                         continue
                     problems += _verify_shard(self.root, listing, shard)
+                    for kind in shard.files:
+                        problems += _verify_shard(self.root, listing, shard.extra(kind))
         return problems
 
 

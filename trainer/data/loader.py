@@ -4,6 +4,12 @@
     loader = Loader(batches, rank, world, micro_batches=1, start=step0, stop=steps, depth=2)
     for mb in loader.next(step): model(mb.to(device, non_blocking=True).inputs) ...
 
+Chat preparations (layout windows) hold fixed windows: sample i is window i, with its loss mask
+and positions read beside its tokens; the loss-token count of every window is loaded once at
+open (4 bytes a window), so every rank knows a step's global loss-token count without any
+communication (`Batches.loss_tokens`, the loss normaliser: DESIGN.md invariant 1). Text with
+data.document_mask=true gets positions made from the tokens (restart after end-of-document).
+
 A worker never holds more than `depth` steps of its own samples: each sample is one positional
 read of (seq_len + 1) tokens from the shard that holds it (two reads at a shard boundary), done by
 a background thread while the current step computes. Batches are pinned when they go to a GPU, so
@@ -51,13 +57,31 @@ class MicroBatch:
     """The samples in this micro-batch (for a padding one, the one it borrowed)."""
     sources: np.ndarray
     """The source of each sample (data.mix index; 0 with one source)."""
+    loss_mask: Optional[torch.Tensor] = None
+    """[b, T + 1] uint8 as stored: 1 = this window token is a loss target; None: every token."""
+    positions: Optional[torch.Tensor] = None
+    """[b, T + 1]: each token's position inside its document (0 starts one), as stored (int16
+    or int32, read as unsigned) or int64 once moved; None: one causal sequence per window."""
+
+    @property
+    def input_positions(self) -> Optional[torch.Tensor]:
+        """LongTensor [b, T] (the inputs' positions), or None."""
+        if self.positions is None:
+            return None
+        return _widen(self.positions)[:, :-1]
+
+    @property
+    def loss_weights(self) -> Optional[torch.Tensor]:
+        """float32 [b, T]: mask[:, 1:] x weight (0 everywhere in a padding micro-batch), or
+        None when there is no mask (every target counts, times weight)."""
+        if self.loss_mask is None:
+            return None
+        return self.loss_mask[:, 1:].to(torch.float32) * self.weight
 
     @property
     def windows(self) -> torch.Tensor:
         """[b, T + 1] int64 token ids."""
-        if self.tokens.dtype == torch.int64:
-            return self.tokens
-        return self.tokens.long() & _MASKS[self.tokens.dtype]
+        return _widen(self.tokens)
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -71,15 +95,57 @@ class MicroBatch:
 
     def to(self, device, non_blocking: bool = False) -> "MicroBatch":
         """On `device`, widened to int64 there (one conversion for inputs and targets)."""
-        moved = self.tokens.to(device, non_blocking=non_blocking)
-        return dataclasses.replace(self, tokens=dataclasses.replace(self, tokens=moved).windows)
+
+        def move(t, widen=True):
+            if t is None:
+                return None
+            t = t.to(device, non_blocking=non_blocking)
+            return _widen(t) if widen else t
+
+        return dataclasses.replace(
+            self,
+            tokens=move(self.tokens),
+            loss_mask=move(self.loss_mask, widen=False),
+            positions=move(self.positions),
+        )
 
     def pin(self) -> "MicroBatch":
-        return dataclasses.replace(self, tokens=self.tokens.pin_memory())
+        def pin(t):
+            return None if t is None else t.pin_memory()
+
+        return dataclasses.replace(
+            self,
+            tokens=pin(self.tokens),
+            loss_mask=pin(self.loss_mask),
+            positions=pin(self.positions),
+        )
+
+
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    """int64 of a stored unsigned tensor (travelling as the signed type of its width)."""
+    if t.dtype == torch.int64:
+        return t
+    return t.long() & _MASKS[t.dtype]
+
+
+def document_positions(windows: np.ndarray, eod_id: int) -> np.ndarray:
+    """[n, W] int64 positions of text windows: 0 at the window's start and after each
+    end-of-document token, counting up inside each document."""
+    n, width = windows.shape
+    index = np.broadcast_to(np.arange(width, dtype=np.int64), (n, width))
+    starts = np.zeros((n, width), bool)
+    starts[:, 0] = True
+    starts[:, 1:] = windows[:, :-1] == eod_id
+    last = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return index - last
 
 
 _MASKS = {torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
-_SIGNED = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32}
+_SIGNED = {
+    np.dtype(np.uint16): np.int16,
+    np.dtype(np.uint32): np.int32,
+    np.dtype(np.uint8): np.uint8,
+}
 
 
 class Batches:
@@ -94,14 +160,30 @@ class Batches:
         weights: Optional[list[float]] = None,
         split: str = "train",
         tag: int = 0,
+        document_mask: bool = False,
     ):
         if global_batch <= 0:
             raise ConfigError(
                 f"invalid config: train.global_batch_size={global_batch}; valid: a positive integer"
             )
         self.data, self.seq_len, self.global_batch = data, seq_len, global_batch
+        self.width = data.width
+        """Layout windows: W (sample i = tokens [i*W, (i+1)*W)); None: a stream."""
+        self.document_mask = document_mask and self.width is None
         self.streams: list[TokenStream] = [data.stream(i, split) for i in range(data.num_sources)]
-        self.num_samples = [(len(s) - 1) // seq_len for s in self.streams]
+        sources = range(data.num_sources)
+        if self.width is not None:
+            if seq_len + 1 != self.width:
+                raise ConfigError(
+                    f"invalid config: data.seq_len={seq_len}; valid: {self.width - 1} (the "
+                    f"windows of {data.root} are {self.width} tokens: prepared at that seq_len)"
+                )
+            self.mask_streams = [data.extra_stream("mask", i, split) for i in sources]
+            self.position_streams = [data.extra_stream("positions", i, split) for i in sources]
+            self.counts = [data.window_counts(i, split).astype(np.int64) for i in sources]
+            self.num_samples = [len(s) // self.width for s in self.streams]
+        else:
+            self.num_samples = [(len(s) - 1) // seq_len for s in self.streams]
         for i, n in enumerate(self.num_samples):
             if n <= 0:
                 tokens = len(self.streams[i])
@@ -128,14 +210,19 @@ class Batches:
     def tokens(self, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """[n, T + 1]: each sample's window, in the stored dtype. On object stores the reads (one
         HTTP range request each) run in parallel; on a local disk one after another."""
+        return self._read(self.streams, sources, samples)
+
+    def _read(self, streams: list[TokenStream], sources, samples) -> np.ndarray:
+        """[n, T + 1] rows of `streams` (tokens, or the mask or positions beside them)."""
         width = self.seq_len + 1
-        if len(self.streams) == 1 and self._pool is None:
-            return self.streams[0].read_rows(samples * self.seq_len, width)
-        raw = np.empty((len(samples), width), self.data.dtype)
+        stride = self.width or self.seq_len
+        if len(streams) == 1 and self._pool is None:
+            return streams[0].read_rows(samples * stride, width)
+        raw = np.empty((len(samples), width), streams[0].dtype)
         for src in np.unique(sources):
             rows = np.flatnonzero(sources == src)
-            starts = samples[rows] * self.seq_len
-            stream = self.streams[int(src)]
+            starts = samples[rows] * stride
+            stream = streams[int(src)]
             if self._pool is None:
                 part = stream.read_rows(starts, width)
             else:
@@ -184,12 +271,32 @@ class Batches:
                 out.append(self._micro(sources[part], ids[part], 1.0))
         return out
 
+    def loss_tokens(self, step: int) -> int:
+        """The loss tokens of the whole global batch of `step` (every rank computes the same
+        number): text global_batch x seq_len, windows the sum of their loss-token counts."""
+        if self.width is None:
+            return self.global_batch * self.seq_len
+        start = step * self.global_batch
+        sources, ids = self.order.lookup(np.arange(start, start + self.global_batch))
+        return int(sum(self.counts[int(s)][ids[sources == s]].sum() for s in np.unique(sources)))
+
     def _micro(self, sources: np.ndarray, ids: np.ndarray, weight: float) -> MicroBatch:
         raw = self.tokens(sources, ids)
-        return MicroBatch(torch.from_numpy(raw.view(_SIGNED[raw.dtype])), weight, ids, sources)
+        mask = positions = None
+        if self.width is not None:
+            mask = torch.from_numpy(self._read(self.mask_streams, sources, ids))
+            positions = _tensor(self._read(self.position_streams, sources, ids))
+        elif self.document_mask:
+            positions = torch.from_numpy(document_positions(raw, self.data.eod_id))
+        return MicroBatch(_tensor(raw), weight, ids, sources, mask, positions)
 
     def epochs(self, step: int) -> list[float]:
         return self.order.epochs(step * self.global_batch)
+
+
+def _tensor(raw: np.ndarray) -> torch.Tensor:
+    """A stored unsigned array as the signed tensor of its width (no copy)."""
+    return torch.from_numpy(raw.view(_SIGNED[raw.dtype]))
 
 
 class Loader:

@@ -14,6 +14,14 @@
    preparation that died resumes where it stopped. Any runner (this process, Ray Data on a
    cluster) produces the same bytes.
 3. The manifest, assembled from the unit records in unit order, is written last: the commit.
+
+Chat data (data.kind=chat): each record is rendered with the chat template and tokenized with
+its loss mask (chat.py); within each unit, whole conversations (truncated to or dropped beyond
+W = data.seq_len + 1 tokens, per data.overlong) are packed into windows of W tokens by
+best-fit-decreasing (packing.py; data.pack=false: one per window), and each split's shard gets
+its mask, positions and per-window loss-token count files beside the tokens (dataset.py).
+The digest then also holds the kind, the template's sha256, the end-of-turn token, train_on,
+pack, overlong, seq_len and the columns; a text preparation's digest is as it always was.
 """
 
 from __future__ import annotations
@@ -32,17 +40,31 @@ from trainer import storage
 from trainer.config import ConfigError, DataConfig, TrainerConfig
 from trainer.storage import Location
 
+from . import chat as chatlib
 from .dataset import (
     MANIFEST,
     SPLITS,
+    STREAM,
     Manifest,
     ShardInfo,
     SourceIndex,
     SplitIndex,
+    extra_name,
+    positions_dtype,
     shard_name,
     unit_record_name,
 )
-from .sources import Counts, InputFile, check_text_column, list_files, read_documents
+from .packing import best_fit_decreasing, build_windows
+from .sources import (
+    Counts,
+    InputFile,
+    check_text_column,
+    first_record_fields,
+    list_files,
+    missing_chat_columns,
+    read_documents,
+    read_records,
+)
 from .tokenizer import Tokenizer, load_tokenizer
 
 UNIT_BYTES = 64 * 2**20
@@ -89,14 +111,35 @@ class Plan:
     tokenizer: Tokenizer
     files: list[list[InputFile]]
     units: list[WorkUnit]
+    tokenizer_config: Optional[dict] = None
+    """The tokenizer_config.json beside data.tokenizer, as read (None: there is none)."""
+    template: Optional[chatlib.ChatTemplate] = None
+    """The chat template: data.kind=chat always; text when one is known (for the export)."""
+    eot_token: Optional[str] = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.cfg.kind == "chat"
 
     @property
     def settings(self) -> dict:
-        return {
+        out = {
             "max_bytes": self.cfg.max_bytes,
             "eval_fraction": self.cfg.eval_fraction,
             "unit_bytes": UNIT_BYTES,
         }
+        if self.is_chat:
+            c = self.cfg
+            out.update(
+                kind="chat",
+                train_on=c.train_on,
+                pack=c.pack,
+                overlong=c.overlong,
+                width=c.seq_len + 1,
+                eot_token=self.eot_token,
+                columns=[c.messages_column, c.prompt_column, c.completion_column],
+            )
+        return out
 
     def unit_args(self) -> dict:
         """What `process_unit` needs besides the unit, as JSON (sent to Ray Data tasks)."""
@@ -108,7 +151,11 @@ class Plan:
             "tokenizer": tok.name,
             "eod_token": getattr(tok, "eod_token", None),
             "text_columns": [s.text_column for s in self.cfg.sources()],
+            **({"chat": self.chat_args()} if self.is_chat else {}),
         }
+
+    def chat_args(self) -> dict:
+        return {"template": self.template.text, "tokens": self.template.tokens}
 
 
 @dataclass
@@ -156,9 +203,58 @@ def plan_preparation(cfg: DataConfig) -> Plan:
         UNIT_BYTES,
         listing,
     ]
+    try:
+        config = chatlib.read_tokenizer_config(cfg.tokenizer)
+    except ConfigError:
+        if cfg.kind == "chat":
+            raise
+        config = None  # text never needed it: a broken one beside the tokenizer is not fatal
+    template, eot = _template_and_eot(cfg, config, tokenizer)
+    if cfg.kind == "chat":  # text keeps its digest: prepared text data stays valid
+        key.append(
+            {
+                "kind": "chat",
+                "template_sha256": template.sha256,
+                "eot_token": eot,
+                "train_on": cfg.train_on,
+                "pack": cfg.pack,
+                "overlong": cfg.overlong,
+                "seq_len": cfg.seq_len,
+                "columns": [cfg.messages_column, cfg.prompt_column, cfg.completion_column],
+            }
+        )
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     root = storage.resolve(dataset_dir(cfg.prepared_dir, digest))
-    return Plan(cfg, digest, root, tokenizer, files, units)
+    return Plan(cfg, digest, root, tokenizer, files, units, config, template, eot)
+
+
+def _template_and_eot(cfg: DataConfig, config: Optional[dict], tokenizer: Tokenizer):
+    """(chat template, end-of-turn token) of cfg: required for chat (ConfigError naming where
+    it looked), for text whatever is known (None when nothing is)."""
+    if cfg.kind != "chat":
+        if tokenizer.name == "byte":
+            return None, None
+        try:
+            template = chatlib.load_chat_template(cfg, config)
+        except ConfigError:
+            template = None
+        eot = cfg.eot_token or chatlib.token_text((config or {}).get("eos_token"))
+        return template, eot
+    template = chatlib.load_chat_template(cfg, config)
+    eot = cfg.eot_token or chatlib.token_text((config or {}).get("eos_token"))
+    eot = eot or getattr(tokenizer, "eod_token", None)
+    if tokenizer.model.token_to_id(eot) is None:
+        given = (
+            f"data.eot_token={eot!r}"
+            if cfg.eot_token
+            else f"data.eot_token=None (the tokenizer_config's eos_token {eot!r})"
+        )
+        raise ConfigError(
+            f"invalid config: {given} is not a token of {cfg.tokenizer}; valid: "
+            f"data.eot_token=<the special token that ends an assistant turn: one of "
+            f"{', '.join(tokenizer._special_tokens()) or 'it has none'}>"
+        )
+    return template, eot
 
 
 def plan_and_check(cfg: TrainerConfig) -> Plan:
@@ -166,10 +262,47 @@ def plan_and_check(cfg: TrainerConfig) -> Plan:
     starts: every source lists files, the tokenizer loads, the first JSONL/Parquet file of each
     source has the text column, and the model has a row for every token id."""
     plan = plan_preparation(cfg.data)
-    for spec, files in zip(cfg.data.sources(), plan.files):
-        check_text_column(files[0], spec.text_column)
+    if plan.is_chat:
+        check_chat(plan)
+    else:
+        for spec, files in zip(cfg.data.sources(), plan.files):
+            check_text_column(files[0], spec.text_column)
     check_vocab(cfg, plan.tokenizer.vocab_size, cfg.data.tokenizer)
     return plan
+
+
+def check_chat(plan: Plan) -> None:
+    """Chat: the template renders the end-of-turn token for a sample conversation, and the
+    first record of each source holds the messages or the prompt/completion columns (and
+    messages are not asked to be trained on as completions). ConfigError otherwise."""
+    cfg, eot = plan.cfg, plan.eot_token
+    try:
+        text = plan.template.render(chatlib.SAMPLE_CONVERSATION)
+    except Exception as e:  # noqa: BLE001 -- any template failure is the user's to see
+        raise ConfigError(
+            f"invalid config: the chat template from {plan.template.origin} fails on a sample "
+            f"conversation ({type(e).__name__}: {e}); valid: a template that renders "
+            "user/assistant turns"
+        ) from None
+    reply = chatlib.SAMPLE_CONVERSATION[-1]["content"]
+    if eot not in text[text.find(reply) :]:
+        raise ConfigError(
+            f"invalid config: data.eot_token={eot!r} is never rendered by the chat template "
+            f"from {plan.template.origin} after an assistant turn (sample: {text!r}); valid: "
+            "data.eot_token=<the token the template ends assistant turns with>"
+        )
+    columns = (cfg.messages_column, cfg.prompt_column, cfg.completion_column)
+    for files in plan.files:
+        names = first_record_fields(files[0])
+        has_pair = cfg.prompt_column in names and cfg.completion_column in names
+        if cfg.messages_column not in names and not has_pair:
+            raise ConfigError(missing_chat_columns(files[0], columns, names, "first record"))
+        if cfg.train_on == "completion" and cfg.messages_column in names:
+            raise ConfigError(
+                f"invalid config: data.train_on='completion' with message records "
+                f"({files[0].uri} has {cfg.messages_column!r}); valid: last_assistant (the "
+                "final reply), assistant or all; completion is for prompt/completion records"
+            )
 
 
 def check_vocab(cfg: TrainerConfig, vocab_size: int, tokenizer: str) -> None:
@@ -224,7 +357,7 @@ class _ShardWriter:
         self.stream = None
         self.tokens = self.documents = self.nbytes = self.crc32 = 0
 
-    def write(self, ids: np.ndarray) -> None:
+    def write(self, ids: np.ndarray, documents: int = 1) -> None:
         if self.stream is None:
             self.stream = self.root.fs.open_output_stream(self.target.path, compression=None)
         data = ids.astype(self.dtype, copy=False).tobytes()
@@ -232,7 +365,7 @@ class _ShardWriter:
         self.crc32 = zlib.crc32(data, self.crc32)
         self.tokens += len(ids)
         self.nbytes += len(data)
-        self.documents += 1
+        self.documents += documents
 
     def close(self) -> Optional[ShardInfo]:
         if self.stream is None:
@@ -254,6 +387,8 @@ def process_unit(unit: WorkUnit, args: dict, tokenizer: Optional[Tokenizer] = No
     except FileNotFoundError:
         pass
     tok = tokenizer or load_tokenizer(args["tokenizer"], args["eod_token"])
+    if "chat" in args:
+        return _commit(record_loc, unit, *_chat_unit(unit, args, tok, root))
     eval_fraction = args["settings"]["eval_fraction"]
     dtype = tok.dtype
     writers = {
@@ -281,6 +416,11 @@ def process_unit(unit: WorkUnit, args: dict, tokenizer: Optional[Tokenizer] = No
                 flush()
     flush()
     shards = {s: w.close() for s, w in writers.items()}
+    return _commit(record_loc, unit, counts, shards)
+
+
+def _commit(record_loc: Location, unit: WorkUnit, counts: Counts, shards: dict) -> dict:
+    """Write the unit's record (its commit) and return it."""
     record = {
         "source": unit.source,
         "unit": unit.index,
@@ -291,6 +431,106 @@ def process_unit(unit: WorkUnit, args: dict, tokenizer: Optional[Tokenizer] = No
     }
     storage.write_atomic(record_loc, json.dumps(record).encode())
     return record
+
+
+def _chat_unit(unit: WorkUnit, args: dict, tok: Tokenizer, root: Location):
+    """(counts, shards) of a chat unit: records -> conversations -> windows, per split."""
+    settings = args["settings"]
+    width, eot, train_on = settings["width"], settings["eot_token"], settings["train_on"]
+    columns = tuple(settings["columns"])
+    template = chatlib.ChatTemplate(args["chat"]["template"], args["chat"]["tokens"])
+    counts = Counts()
+    docs: dict[str, list] = {s: [] for s in SPLITS}
+    batch: list = []
+
+    def flush() -> None:
+        encodings = tok.model.encode_batch([t for t, _ in batch], add_special_tokens=False)
+        for (text, spans), enc in zip(batch, encodings):
+            got = chatlib.encoded(text, spans, enc)
+            got = _fit(got, width, settings["overlong"], counts)
+            if isinstance(got, str):
+                counts.add(got)
+                counts.add("documents", -1)
+                continue
+            held = settings["eval_fraction"] and _held_out(text, settings["eval_fraction"])
+            docs["eval" if held else "train"].append(got)
+        batch.clear()
+
+    for f in unit.files:
+        for record in read_records(f, columns, counts):
+            got = chatlib.record_messages(record, *columns)
+            if not isinstance(got, str):
+                messages, pair = got
+                if train_on == "completion" and not pair:
+                    got = "no_loss_tokens"  # completion has no meaning on message records
+                else:
+                    got = chatlib.render_spans(template, messages, train_on, eot)
+            if isinstance(got, str):
+                counts.add(got)
+                counts.add("documents", -1)
+                continue
+            batch.append(got)
+            if len(batch) >= ENCODE_BATCH:
+                flush()
+    flush()
+    pad = tok.model.token_to_id(eot)
+    shards = {
+        s: _write_windows(
+            root,
+            shard_name(args["digest"], unit.source, unit.index, s),
+            docs[s],
+            width,
+            pad,
+            settings["pack"],
+            tok.dtype,
+        )
+        for s in SPLITS
+    }
+    return counts, shards
+
+
+def _fit(got, width: int, overlong: str, counts: Counts):
+    """A conversation cut to the window (data.overlong=truncate) or dropped; the reason when
+    it is skipped (no loss token left after truncation)."""
+    if isinstance(got, str) or len(got.ids) <= width:
+        return got
+    if overlong == "drop":
+        return "overlong_dropped"
+    if not got.mask[:width].any():
+        return "no_loss_tokens"
+    counts.add("overlong_truncated")
+    return chatlib.Encoded(got.ids[:width], got.mask[:width], got.text)
+
+
+def _write_windows(root, name, docs, width, pad, pack, dtype) -> Optional[ShardInfo]:
+    """One split's windows: tokens, mask, positions and per-window loss counts, each a file."""
+    if not docs:
+        return None
+    lengths = [len(d.ids) for d in docs]
+    bins = best_fit_decreasing(lengths, width) if pack else [[i] for i in range(len(docs))]
+    w = build_windows([d.ids for d in docs], [d.mask for d in docs], bins, width, pad)
+    parts = {
+        "tokens": (name, w.tokens.reshape(-1), dtype),
+        "mask": (extra_name(name, "mask"), w.mask.reshape(-1), np.dtype(np.uint8)),
+        "positions": (
+            extra_name(name, "positions"),
+            w.positions.reshape(-1),
+            positions_dtype(width),
+        ),
+        "counts": (extra_name(name, "counts"), w.counts, np.dtype(np.uint32)),
+    }
+    infos = {}
+    for kind, (fname, data, dt) in parts.items():
+        writer = _ShardWriter(root, fname, dt)
+        writer.write(data, len(docs))
+        infos[kind] = writer.close()
+    files = {
+        k: {"name": i.name, "nbytes": i.nbytes, "crc32": i.crc32}
+        for k, i in infos.items()
+        if k != "tokens"
+    }
+    t = infos["tokens"]
+    return ShardInfo(t.name, t.tokens, len(docs), t.nbytes, t.crc32, len(bins), w.real, files)
 
 
 def _held_out(doc, fraction: float) -> bool:
@@ -341,9 +581,10 @@ def find_prepared(plan: Plan) -> Optional[Manifest]:
     for source in manifest.sources:
         for split in source.splits.values():
             for shard in split.shards:
-                info = listing.get(shard.name)
-                if info is None or info.size != shard.nbytes:
-                    return None
+                for f in [shard] + [shard.extra(k) for k in shard.files]:
+                    info = listing.get(f.name)
+                    if info is None or info.size != f.nbytes:
+                        return None
     return manifest
 
 
@@ -415,7 +656,7 @@ def assemble(plan: Plan, records: list[dict]) -> Manifest:
             SourceIndex(
                 spec.path,
                 spec.format,
-                spec.text_column,
+                plan.cfg.messages_column if plan.is_chat else spec.text_column,
                 files=sum(r["files"] for r in mine),
                 input_bytes=sum(r["input_bytes"] for r in mine),
                 splits=splits,
@@ -423,14 +664,51 @@ def assemble(plan: Plan, records: list[dict]) -> Manifest:
             )
         )
     tok = plan.tokenizer
-    tokenizer = {
+    layout = dict(STREAM)
+    if plan.is_chat:
+        width = plan.cfg.seq_len + 1
+        layout = {"kind": "windows", "width": width, "positions_dtype": positions_dtype(width).name}
+    manifest = Manifest(
+        plan.digest, tokenizer_info(plan), tok.dtype.name, sources, plan.settings, time.time()
+    )
+    manifest.layout = layout
+    return manifest
+
+
+def tokenizer_info(plan: Plan) -> dict:
+    """The manifest's tokenizer: name, digest, vocab_size, eod_id, eod_token; and, when a
+    tokenizer_config.json or a chat template is known, what generation and the export need."""
+    tok = plan.tokenizer
+    info = {
         "name": tok.name,
         "digest": tok.digest,
         "vocab_size": tok.vocab_size,
         "eod_id": tok.eod_id,
         "eod_token": getattr(tok, "eod_token", None),
     }
-    return Manifest(plan.digest, tokenizer, tok.dtype.name, sources, plan.settings, time.time())
+    if plan.tokenizer_config is None and plan.template is None:
+        return info
+    config = plan.tokenizer_config or {}
+    named = chatlib.special_tokens(config)
+
+    def id_of(token: Optional[str]) -> Optional[int]:
+        return tok.model.token_to_id(token) if token is not None else None
+
+    eos, eot = named.get("eos_token"), plan.eot_token
+    stop_ids = []
+    for i in (id_of(eot), id_of(eos), tok.eod_id):
+        if i is not None and i not in stop_ids:
+            stop_ids.append(i)
+    info.update(
+        chat_template=plan.template.text if plan.template else None,
+        tokenizer_config=plan.tokenizer_config,
+        bos_token=named.get("bos_token"),
+        bos_id=id_of(named.get("bos_token")),
+        eos_token=eos,
+        eot_token=eot,
+        stop_ids=stop_ids,
+    )
+    return info
 
 
 def _info(plan: Plan, manifest: Manifest, created: bool) -> PreparedInfo:

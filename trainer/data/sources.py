@@ -9,6 +9,10 @@ text or auto, files with a NUL byte in their first 8 KiB are skipped as binary),
 (`*`, `?`, `[...]`, and `**` across folders) on a local path or any pyarrow.fs URI. Files are
 sorted by their path below the source's root, so a listing is the same on every machine.
 
+Chat records (data.kind=chat, `read_records`): a JSONL object or a Parquet row holding a
+message list (Parquet: list<struct<role, content>>) or a prompt and a completion; a record is
+yielded as a dict of those fields, and checked and rendered by preparation (chat.py).
+
 Formats: text (the file's bytes are one document), jsonl (one JSON object per line, its
 `text_column` field is the document; .gz / .zst / .bz2 are read compressed), parquet (one row per
 document, from column `text_column`). A record that cannot be read is skipped and counted by
@@ -271,5 +275,78 @@ def _jsonl_documents_first(loc: Location, f: InputFile, text_column: str):
 def _missing(f: InputFile, column: str, present: list[str], what: str, where: str):
     raise ConfigError(
         f"invalid config: data.text_column={column!r}: {f.uri} has no such {what} ({where}); "
+        f"valid: one of {', '.join(map(repr, present)) or '(none)'}"
+    )
+
+
+# ----------------------------------------------------------------------------- chat records
+
+
+def read_records(f: InputFile, columns: tuple[str, ...], counts: Counts) -> Iterator[dict]:
+    """The chat records of a JSONL or Parquet file: dicts of the `columns` they hold (messages,
+    prompt, completion). Unreadable lines are skipped and counted."""
+    loc = storage.resolve(f.uri)
+    if f.format == "parquet":
+        with loc.fs.open_input_file(loc.path) as handle:
+            pf = _parquet(handle, f)
+            present = [c for c in columns if c in pf.schema_arrow.names]
+            if not present:
+                _missing_chat(f, columns, pf.schema_arrow.names, "columns", "its schema")
+            for batch in pf.iter_batches(columns=present, batch_size=1024):
+                for record in batch.to_pylist():
+                    counts.add("documents")
+                    yield record
+        return
+    if f.format != "jsonl":
+        raise ConfigError(
+            f"invalid config: data.format={f.format!r} for {f.uri} with data.kind=chat; valid: "
+            "jsonl or parquet (chat records are JSON objects or Parquet rows)"
+        )
+    with loc.fs.open_input_stream(loc.path, compression=f.compression) as stream:
+        for line in _lines(stream):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                counts.add("non_utf8")
+                continue
+            except ValueError:  # not JSON
+                counts.add("unreadable")
+                continue
+            if not isinstance(record, dict):
+                counts.add("unreadable")
+                continue
+            counts.add("documents")
+            yield record
+
+
+def first_record_fields(f: InputFile) -> list[str]:
+    """The fields of the first record of a JSONL file, or the columns of a Parquet file (run
+    on the driver, before any worker starts)."""
+    loc = storage.resolve(f.uri)
+    if f.format == "parquet":
+        with loc.fs.open_input_file(loc.path) as handle:
+            return list(_parquet(handle, f).schema_arrow.names)
+    first = next(iter(read_records(f, (), Counts())), None)
+    return sorted(first) if first is not None else []
+
+
+def _parquet(handle, f: InputFile) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(handle)
+    except Exception as e:  # pyarrow raises ArrowInvalid for a file that is not Parquet
+        raise ConfigError(f"invalid data: {f.uri} is not a readable Parquet file ({e})") from None
+
+
+def _missing_chat(f: InputFile, columns, present, what: str, where: str):
+    raise ConfigError(missing_chat_columns(f, columns, present, f"{what}, {where}"))
+
+
+def missing_chat_columns(f: InputFile, columns, present, where: str) -> str:
+    messages, prompt, completion = columns
+    return (
+        f"invalid config: data.messages_column={messages!r} (or data.prompt_column={prompt!r} "
+        f"with data.completion_column={completion!r}): {f.uri} has none of them ({where}); "
         f"valid: one of {', '.join(map(repr, present)) or '(none)'}"
     )
