@@ -137,8 +137,11 @@ def test_the_rotary_permutation_matters(saved):
             r"rope_type='yarn'; valid: default",
         ),
         (dict(attention_bias=True), r"attention_bias=True; valid: false"),
-        (dict(model_type="mistral"), r"model_type='mistral'; valid: llama"),
-        (dict(head_dim=8), r"head_dim=8; valid: hidden_size / num_attention_heads = 16"),
+        (
+            dict(model_type="gemma"),
+            r"model_type='gemma'; valid: llama \(LlamaForCausalLM\), qwen2 \(Qwen2ForCausalLM\), "
+            r"qwen3 \(Qwen3ForCausalLM\), mistral \(MistralForCausalLM\)",
+        ),
     ],
 )
 def test_a_config_the_model_cannot_represent_is_refused_by_name(saved, edit, match):

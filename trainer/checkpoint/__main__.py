@@ -284,8 +284,9 @@ def main(argv=None) -> int:
         "--format",
         default="native",
         choices=["native", "hf"],
-        help="hf: transformers' Llama layout (config.json, model*.safetensors, index, "
-        "tokenizer files), loadable by transformers and vLLM",
+        help="hf: transformers' layout of the model's family (Llama, Qwen2, Qwen3, Mistral: "
+        "config.json, generation_config.json with every end-of-turn id, model*.safetensors, "
+        "index, tokenizer files with the run's chat template), loadable by transformers and vLLM",
     )
     ex.add_argument(
         "--max-shard-gb",
@@ -293,7 +294,10 @@ def main(argv=None) -> int:
         default=5.0,
         help="--format hf: safetensors files of at most this many GiB",
     )
-    im = sub.add_parser("import-hf", help="a step-0 checkpoint of a Hugging Face Llama model")
+    im = sub.add_parser(
+        "import-hf",
+        help="a step-0 checkpoint of a Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral model",
+    )
     im.add_argument("src", help="folder or URI with config.json and model*.safetensors")
     im.add_argument("dest", help="a run's checkpoints folder, e.g. runs/my-run/checkpoints")
     args = ap.parse_args(argv)

@@ -99,6 +99,7 @@ def trainer_state(
     data: dict,
     tokenizer: Optional[dict] = None,
     loss: Optional[float] = None,
+    hf_special_ids: Optional[dict] = None,
 ) -> TrainerState:
     """The state of a run at `step`, as a save records it (a loss that is not finite: None)."""
     steps_taken = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
@@ -118,6 +119,7 @@ def trainer_state(
         tokenizer=tokenizer,
         loss=float(loss) if loss is not None and math.isfinite(loss) else None,
         tokens_seen=step * cfg.train.global_batch_size * cfg.data.seq_len,
+        hf_special_ids=hf_special_ids,
     )
 
 
@@ -169,6 +171,7 @@ class Checkpointer:
         self.may_write = may_write
         self.data_identity = data_identity or {}
         self.tokenizer = tokenizer
+        self.hf_special_ids: Optional[dict] = None  # an import's, carried from the resumed state
         self.every, self.total = cfg.train.checkpoint_every, cfg.train.steps
         keep = cfg.train.keep_checkpoints
         self.writer = CheckpointWriter(root, keep=keep, group=barrier_group, commit_guard=may_write)
@@ -226,7 +229,7 @@ class Checkpointer:
 
     def _state(self, step: int) -> TrainerState:
         live = (self.optimizer, self.scaler, self.data_identity, self.tokenizer, self._loss)
-        return trainer_state(self.cfg, step, self.world, *live)
+        return trainer_state(self.cfg, step, self.world, *live, self.hf_special_ids)
 
     def close(self, step: int) -> Optional[str]:
         """Save `step` unless saved already or nothing was trained (the loop saves it itself,
@@ -337,6 +340,7 @@ class Checkpointer:
         if state.grad_scaler:
             self.scaler.load_state_dict(state.grad_scaler)
         self.start_step = int(state.step)
+        self.hf_special_ids = state.hf_special_ids
         self.resumed_from = path
         self.writer.protect(path)
         self.log(

@@ -83,6 +83,10 @@ class TrainerState:
     what an export hands over with the weights."""
     imported_from: Optional[str] = _key("string", None, null=True)
     """A Hugging Face checkpoint this step-0 checkpoint was imported from (trainer/hf)."""
+    hf_special_ids: Optional[dict] = _key("object", None, null=True)
+    """The imported model's {"bos_token_id", "eos_token_id"} (its config.json and
+    generation_config.json), carried by every later checkpoint of the run: an export falls back
+    on them when the run's tokenizer names none."""
     loss: Optional[float] = _key("number", None, null=True)
     """The mean token loss of the last step trained (for `inspect`; None when unknown)."""
     tokens_seen: Optional[int] = _key("int", None, lo=0, null=True)

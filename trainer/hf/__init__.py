@@ -7,14 +7,17 @@ both ways, weights in by byte range, weights out in transformers' safetensors la
     export_hf(checkpoint_path, "out/", dtype=torch.bfloat16)  # config.json, model*.safetensors, ...
 
     family.py       what a model family provides: config mapping both ways, names, shapes
-    llama.py        the Llama family (the only one supported today)
+    llama.py        the Llama family and the Llama-shaped decoder all families share
+    qwen2.py        Qwen2/2.5: q/k/v biases
+    qwen3.py        Qwen3: per-head q/k norms, decoupled head_dim
+    mistral.py      Mistral: Llama-shaped (a sliding window is refused)
     config.py       the registry of families by model_type; config.json <-> ModelConfig
     names.py        Hugging Face tensor names <-> ours; the rotary row permutation
     safetensors.py  weights in: ranged safetensors reads, HFWeights (our parameters)
     writer.py       weights out: the streaming SafetensorsWriter, export_hf
     importer.py     the import command: import_hf and its step-0 trainer state
 
-A new family (Qwen2, Mistral) is one module defining a `Family`, added to `config.FAMILIES`.
+A new family is one module defining a `Family`, added to `config.FAMILIES`.
 """
 
 from trainer.hf.config import (
@@ -28,6 +31,7 @@ from trainer.hf.config import (
     ordered_params,
     read_hf_config,
     resolve_model,
+    special_ids,
 )
 from trainer.hf.family import Family
 from trainer.hf.importer import IMPORT_RANK_BYTES, import_hf
@@ -56,4 +60,5 @@ __all__ = [
     "read_hf_config",
     "resolve_model",
     "rotary_rows",
+    "special_ids",
 ]

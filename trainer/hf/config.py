@@ -1,16 +1,18 @@
 """config.json <-> our ModelConfig, by family: the registry of families and the lookups on it.
 
     cfg = config_from_hf(read_hf_config("s3://bucket/Llama-3.2-1B"))   # ConfigError if unsupported
-    config_to_hf(cfg, torch.bfloat16, eos_id=2)       # the config.json of an export
+    config_to_hf(cfg, torch.bfloat16, eos_id=[128009, 128001], bos_id=128000)  # an export's
+    special_ids("s3://bucket/Llama-3.2-1B")   # {"bos_token_id": 128000, "eos_token_id": ...}
 
 A family (trainer/hf/family.py) is found by config.json's model_type on the way in and by our
-ModelConfig on the way out (`family_of`); other model_types are refused naming those supported.
+ModelConfig's `family` on the way out (`family_of`); other model_types are refused naming those
+supported.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -18,18 +20,27 @@ from trainer import storage
 from trainer.config import ConfigError, ModelConfig
 from trainer.hf.family import Family, refuse
 from trainer.hf.llama import LLAMA
+from trainer.hf.mistral import MISTRAL
+from trainer.hf.qwen2 import QWEN2
+from trainer.hf.qwen3 import QWEN3
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
-"""The supported families by config.json's model_type."""
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL)}
+"""The supported families by config.json's model_type (= our ModelConfig.family)."""
 
 
 def family_of(cfg: ModelConfig) -> Family:
-    """The family of our model. ModelConfig names none yet: every model of ours is a Llama (the
-    second family adds that field, and this is the one place that reads it)."""
-    return LLAMA
+    """The family of our model, by its ModelConfig.family (validated against these names)."""
+    family = FAMILIES.get(cfg.family)
+    if family is None:
+        supported = ", ".join(f"{f.model_type} ({f.architecture})" for f in FAMILIES.values())
+        raise ConfigError(
+            f"invalid config: model.family={cfg.family!r}; valid: {supported} (trainer/hf "
+            "has no Hugging Face format for it)"
+        )
+    return family
 
 
 def hf_family(hf: dict, where: str) -> Family:
@@ -51,7 +62,7 @@ def read_hf_config(path: str) -> dict:
     except FileNotFoundError:
         raise ConfigError(
             f"invalid config: model.hf_path={path!r} has no {CONFIG}; valid: the "
-            "folder or URI of a Hugging Face Llama checkpoint"
+            "folder or URI of a Hugging Face checkpoint (config.json, model*.safetensors)"
         ) from None
     except ValueError as e:
         raise ConfigError(f"invalid config: {loc} is not JSON ({e})") from None
@@ -76,10 +87,35 @@ def resolve_model(cfg: ModelConfig) -> ModelConfig:
 
 
 def config_to_hf(
-    cfg: ModelConfig, dtype: torch.dtype, eos_id: Optional[int] = None, bos_id: Optional[int] = None
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    eos_id: Optional[Union[int, list[int]]] = None,
+    bos_id: Optional[int] = None,
 ) -> dict:
     """The config.json of our model in its family's transformers format."""
     return family_of(cfg).to_hf(cfg, dtype, eos_id, bos_id)
+
+
+def special_ids(path: str, hf: Optional[dict] = None) -> dict:
+    """{"bos_token_id", "eos_token_id"} of the Hugging Face checkpoint at `path`:
+    generation_config.json's where it has them (Llama 3 instruct: every id that ends a turn),
+    else config.json's (`hf`, when already read); None for what neither names. Empty when
+    neither file is readable (an export falls back on it: a missing source is no error)."""
+    found: dict = {}
+    for name, given in ((CONFIG, hf), (GENERATION_CONFIG, None)):
+        try:
+            loc = storage.resolve(path).child(name)
+            data = given if given is not None else json.loads(storage.read_bytes(loc))
+        except (OSError, ValueError):  # StorageError is an OSError
+            continue
+        if not isinstance(data, dict):
+            continue
+        for key in ("bos_token_id", "eos_token_id"):
+            if data.get(key) is not None:
+                found[key] = data[key]  # generation_config.json, read last, wins
+    if not found:
+        return {}
+    return {"bos_token_id": found.get("bos_token_id"), "eos_token_id": found.get("eos_token_id")}
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

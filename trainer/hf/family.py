@@ -1,13 +1,13 @@
 """What a model family provides to the interchange: its config.json mapping both ways, its
 tensor names and its parameter shapes. A family is one value (`llama.LLAMA`); the registry that
-looks one up by config.json's model_type is `config.FAMILIES`. A second family (Qwen2, Mistral)
-is a new module defining one more `Family`, registered there: no function branches on it.
+looks one up by config.json's model_type is `config.FAMILIES` (llama, qwen2, qwen3, mistral). A
+new family is a module defining one more `Family`, registered there: no function branches on it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import torch
 
@@ -28,8 +28,10 @@ class Family:
     from_hf: Callable[[dict, str], dict[str, Any]]
     """(config.json, where it was read) -> ModelConfig fields (all but name and hf_path); a
     ConfigError naming the field and its value for anything our model cannot represent."""
-    to_hf: Callable[[ModelConfig, torch.dtype, Optional[int], Optional[int]], dict]
-    """(config, dtype, eos id, bos id) -> the config.json transformers and vLLM read."""
+    to_hf: Callable[
+        [ModelConfig, torch.dtype, Optional[Union[int, list[int]]], Optional[int]], dict
+    ]
+    """(config, dtype, eos id or ids, bos id) -> the config.json transformers and vLLM read."""
     shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
     """Our model's parameters and their shapes, without building it."""
 

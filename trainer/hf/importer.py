@@ -4,7 +4,8 @@
 
 The checkpoint is written as files of about IMPORT_RANK_BYTES each (one "rank" each), so the
 importer holds one such file's tensors at a time, never the model; any world size, strategy or
-wrap policy resumes from it.
+wrap policy resumes from it. Its trainer state keeps the source's bos/eos ids
+(`HF_SPECIAL_IDS`), which an export falls back on when the run's tokenizer names none.
 """
 
 from __future__ import annotations
@@ -18,18 +19,23 @@ from trainer.checkpoint import CheckpointWriter, TensorChunk
 from trainer.checkpoint.keys import param_key
 from trainer.checkpoint.trainer_state import TrainerState, model_digest
 from trainer.config import ModelConfig
-from trainer.hf.config import CONFIG, config_from_hf, ordered_params, read_hf_config
+from trainer.hf.config import CONFIG, config_from_hf, ordered_params, read_hf_config, special_ids
 from trainer.hf.safetensors import HFWeights
 
 IMPORT_RANK_BYTES = 2**30
 """import_hf writes its step-0 checkpoint as files of about this size (one "rank" each), so the
 importer holds one such file's tensors at a time, never the model."""
 
+HF_SPECIAL_IDS = "hf_special_ids"
+"""The trainer state's key for the source's {"bos_token_id", "eos_token_id"} (config.json,
+generation_config.json): TrainerState.hf_special_ids, read by the export."""
 
-def imported_state(src: str, cfg: ModelConfig, world: int) -> dict:
+
+def imported_state(src: str, cfg: ModelConfig, world: int, ids: dict) -> dict:
     """The trainer state of the step-0 checkpoint imported from `src`: no data position, no
-    optimizer steps, no batch size yet (any run may resume from it)."""
-    return TrainerState(
+    optimizer steps, no batch size yet (any run may resume from it); `ids`: the source's
+    special token ids."""
+    state = TrainerState(
         step=0,
         consumed_samples=0,
         global_batch_size=None,
@@ -43,7 +49,9 @@ def imported_state(src: str, cfg: ModelConfig, world: int) -> dict:
         rng_cpu=None,
         data={},
         imported_from=src,
+        hf_special_ids=ids,
     ).to_json()
+    return state
 
 
 def _rank_groups(weights: HFWeights, cfg: ModelConfig) -> list[list[str]]:
@@ -65,11 +73,12 @@ def import_hf(src: str, dest_root: str, log=print) -> str:
     (a run's checkpoints folder): fp32 weights, no optimizer state. Any world size, strategy or
     wrap policy resumes from it. Returns its path."""
 
-    cfg = config_from_hf(read_hf_config(src), f"{src}/{CONFIG}", hf_path=src)
+    hf = read_hf_config(src)
+    cfg = config_from_hf(hf, f"{src}/{CONFIG}", hf_path=src)
     weights = HFWeights(src, cfg)
     groups = _rank_groups(weights, cfg)
     world = len(groups)
-    state = imported_state(src, cfg, world)
+    state = imported_state(src, cfg, world, special_ids(src, hf))
     for rank in list(range(1, world)) + [0]:  # rank 0 commits: after every other file is there
         chunks = []
         for fqn in groups[rank]:

@@ -1,19 +1,27 @@
-"""The Llama family (LlamaForCausalLM): its config.json fields, its tensor names, its shapes.
+"""The Llama family (LlamaForCausalLM), and the Llama-shaped decoder every family here shares:
+its config.json fields both ways, its tensor names, its shapes.
+
+    fields = decoder_fields(hf, where, "qwen2")          # the ModelConfig fields all families share
+    decoder_to_hf(cfg, dtype, eos, bos, "Qwen2ForCausalLM", "qwen2") | {...family's own keys}
 
 Everything else is the same math on both sides: RMSNorm in fp32, SwiGLU, grouped-query
 attention with query head h reading key/value head h // (heads / kv_heads), rotary embeddings
-(in another row layout: trainer/hf/names.py).
+(in another row layout: trainer/hf/names.py). The other families (qwen2.py, qwen3.py,
+mistral.py) add their own tensors and refusals on top of these.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from trainer.config import ModelConfig, fail
 from trainer.hf.family import Family, hf_rope, refuse
 from trainer.hf.names import NameMap
+
+EosIds = Optional[Union[int, list[int]]]
+"""config.json's eos_token_id: one id, every id that ends a turn, or unknown."""
 
 # (Hugging Face name, our name), {i} a block index.
 NAMES = [
@@ -31,18 +39,26 @@ NAMES = [
     ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
 ]
 
+FULL_CONTEXT = "attention over the whole context is what is implemented"
+"""Why a sliding window is refused (every family's message says it)."""
 
-def from_hf(hf: dict, where: str) -> dict[str, Any]:
-    """ModelConfig fields of a Hugging Face Llama config; anything our model cannot represent
-    is a ConfigError naming the field and its value, never approximated."""
+
+def decoder_fields(
+    hf: dict, where: str, family: str, default_head_dim: Optional[int] = None
+) -> dict[str, Any]:
+    """ModelConfig fields of a Llama-shaped Hugging Face config (all but qkv_bias, qk_norm, name
+    and hf_path); anything our model cannot represent is a ConfigError naming the field and its
+    value, never approximated. `default_head_dim`: the family's head_dim when config.json has
+    none (Qwen3's is 128; the others' hidden_size / num_attention_heads)."""
     if hf.get("hidden_act", "silu") != "silu":
         refuse(hf, where, "hidden_act", "silu (SwiGLU)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            refuse(hf, where, key, "false (the model has no biases)")
+    if hf.get("mlp_bias"):
+        refuse(hf, where, "mlp_bias", "false (the feed-forward has no biases)")
+    for i, kind in enumerate(hf.get("layer_types") or []):
+        if kind != "full_attention":
+            fail(f"{where}: layer_types[{i}]", kind, f"full_attention ({FULL_CONTEXT})")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, dim // heads):
-        refuse(hf, where, "head_dim", f"hidden_size / num_attention_heads = {dim // heads}")
+    head_dim = hf.get("head_dim") or default_head_dim
     theta, rope = hf_rope(hf)
     if rope.get("rope_type") not in ("default", "llama3"):
         fail(f"{where}: rope_scaling.rope_type", rope.get("rope_type"), "default (none) or llama3")
@@ -50,12 +66,15 @@ def from_hf(hf: dict, where: str) -> dict[str, Any]:
         fail(f"{where}: partial_rotary_factor", rope["partial_rotary_factor"], "1.0")
     llama3 = rope.get("rope_type") == "llama3"
     return dict(
+        family=family,
         vocab_size=hf["vocab_size"],
         dim=dim,
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         ffn_dim=hf["intermediate_size"],
+        # None when it is the usual width: a Llama of before head_dim keeps its model digest.
+        head_dim=None if head_dim in (None, dim / heads) else head_dim,
         max_seq_len=hf.get("max_position_embeddings", 2048),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
@@ -69,10 +88,15 @@ def from_hf(hf: dict, where: str) -> dict[str, Any]:
     )
 
 
-def to_hf(
-    cfg: ModelConfig, dtype: torch.dtype, eos_id: Optional[int] = None, bos_id: Optional[int] = None
+def decoder_to_hf(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    eos_id: EosIds,
+    bos_id: Optional[int],
+    architecture: str,
+    model_type: str,
 ) -> dict:
-    """transformers' LlamaConfig fields of our model (the format transformers and vLLM read)."""
+    """The config.json fields every Llama-shaped family spells the same way."""
     rope_scaling = None
     if cfg.rope_scaling == "llama3":
         rope_scaling = {
@@ -83,23 +107,22 @@ def to_hf(
             "original_max_position_embeddings": cfg.rope_original_max_seq_len,
         }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
+        "head_dim": cfg.head_size,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
+        # transformers 4's spelling: transformers 5 and vLLM read it too.
         "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "initializer_range": cfg.init_std,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": bos_id,
@@ -109,20 +132,25 @@ def to_hf(
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our model's parameters and shapes, without building it."""
-    hd = cfg.dim // cfg.n_heads
-    kv = cfg.kv_heads * hd
+    """Our model's parameters and shapes, without building it (any family: the biases and the
+    query/key norms appear when the config has them)."""
+    hd = cfg.head_size
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
     out = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim), "norm.weight": (cfg.dim,)}
     if not cfg.tie_embeddings:
         out["output.weight"] = (cfg.vocab_size, cfg.dim)
     for i in range(cfg.n_layers):
+        a = f"layers.{i}.attention."
+        out.update({a + "wq.weight": (q, cfg.dim), a + "wk.weight": (kv, cfg.dim)})
+        out[a + "wv.weight"] = (kv, cfg.dim)
+        if cfg.qkv_bias:
+            out.update({a + "wq.bias": (q,), a + "wk.bias": (kv,), a + "wv.bias": (kv,)})
+        out[a + "wo.weight"] = (cfg.dim, q)
+        if cfg.qk_norm:
+            out.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
         p = f"layers.{i}."
         out.update(
             {
-                p + "attention.wq.weight": (cfg.dim, cfg.dim),
-                p + "attention.wk.weight": (kv, cfg.dim),
-                p + "attention.wv.weight": (kv, cfg.dim),
-                p + "attention.wo.weight": (cfg.dim, cfg.dim),
                 p + "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim),
                 p + "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
                 p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim),
@@ -131,6 +159,19 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     return out
+
+
+def from_hf(hf: dict, where: str) -> dict[str, Any]:
+    """ModelConfig fields of a Hugging Face Llama config."""
+    if hf.get("attention_bias"):
+        refuse(hf, where, "attention_bias", "false (the model has no biases)")
+    return dict(decoder_fields(hf, where, "llama"), qkv_bias=False, qk_norm=False)
+
+
+def to_hf(cfg: ModelConfig, dtype: torch.dtype, eos_id: EosIds = None, bos_id=None) -> dict:
+    """transformers' LlamaConfig fields of our model (the format transformers and vLLM read)."""
+    out = decoder_to_hf(cfg, dtype, eos_id, bos_id, "LlamaForCausalLM", "llama")
+    return {**out, "attention_bias": False, "mlp_bias": False}
 
 
 LLAMA = Family(

@@ -9,7 +9,8 @@ A family's table pairs each Hugging Face name with ours, `{i}` standing for a bl
 Layout: our rotary embedding rotates interleaved pairs of each head's dimensions (Meta's layout,
 dims 2i and 2i+1); transformers rotates the two halves (i and i + head_dim/2). The rows of the
 query and key projections are permuted between the two (`rotary_rows`), exactly as transformers'
-own Llama conversion does, so both compute the same attention.
+own Llama conversion does, so both compute the same attention; so are the entries of their
+biases (Qwen2) and of the per-head query/key norms (Qwen3), which act on the same dimensions.
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ def rotary_rows(n_heads: int, head_dim: int) -> np.ndarray:
     return h * head_dim + j * half + i
 
 
+ROTARY = (
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.wq.bias",
+    "attention.wk.bias",
+    "attention.q_norm.weight",
+    "attention.k_norm.weight",
+)
+"""Our parameters whose rows are in rotary layout. The projections' biases are permuted as
+their rows are; a query/key norm's weight (one head's head_dim entries, applied to every head
+before the rotation) is permuted as one head's rows (RMS itself does not see the order)."""
+
+
 def is_rotary(fqn: str) -> bool:
-    """Our parameters whose rows are in rotary layout: the query and key projections."""
-    return fqn.endswith(("attention.wq.weight", "attention.wk.weight"))
+    """Our parameters whose rows are in rotary layout (ROTARY): with head_size rows a head,
+    `rotary_rows(rows // head_size, head_size)` maps them, whatever their shape."""
+    return fqn.endswith(ROTARY)

@@ -12,6 +12,7 @@ byte range of any tensor, so it never holds a model in memory.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -102,7 +103,8 @@ class Safetensors:
 class HFWeights:
     """A Hugging Face checkpoint as our parameters: read(fqn, start, count) gives elements
     [start, start + count) of our (flattened) parameter fqn in fp32, reading only those bytes
-    (rounded out to whole heads for the query and key projections, whose rows are permuted)."""
+    (rounded out to whole heads for the query and key projections, their biases and norms,
+    whose rows are permuted within a head)."""
 
     def __init__(self, path: str, cfg: ModelConfig):
         self.cfg, self.path = cfg, path
@@ -152,8 +154,8 @@ class HFWeights:
         shape = self.expected[fqn]
         if not is_rotary(fqn):
             return self.st.read(name, start, count).float()
-        cols = shape[1]
-        hd = self.cfg.dim // self.cfg.n_heads
+        cols = math.prod(shape[1:])  # 1 for a bias or a norm's weight
+        hd = self.cfg.head_size
         heads = shape[0] // hd
         first, last = start // cols, (start + count - 1) // cols  # our rows touched
         h0, h1 = first // hd, last // hd + 1  # whole heads: the permutation stays inside a head

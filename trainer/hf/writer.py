@@ -2,6 +2,12 @@
 
     export_hf(checkpoint_path, "out/", dtype=torch.bfloat16)   # config.json, model*.safetensors
 
+What serving needs goes with the weights: config.json in the family's format,
+generation_config.json with every id that ends a turn (the run's "stop_ids"; a model that does
+not stop at its end-of-turn token is the best-known complaint of serving a fine-tune), the
+tokenizer and its tokenizer_config.json carrying the chat template the run trained with.
+Checkpoints from before those keys, or of byte-level runs, export what they know.
+
 `SafetensorsWriter` writes each file's header first and then streams the tensors into it one at
 a time, so the exporter holds the largest tensor, never the model.
 """
@@ -11,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -19,6 +25,7 @@ from trainer import storage
 from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.checkpoint.keys import param_key
 from trainer.config import ModelConfig
+from trainer.data.chat import token_text
 from trainer.hf.config import (
     CONFIG,
     GENERATION_CONFIG,
@@ -26,10 +33,14 @@ from trainer.hf.config import (
     expected_tensors,
     family_of,
     ordered_params,
+    special_ids,
 )
+from trainer.hf.importer import HF_SPECIAL_IDS
 from trainer.hf.names import is_rotary, rotary_rows
 from trainer.hf.safetensors import DTYPE_CODES, INDEX, SINGLE
 from trainer.storage import Location
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class SafetensorsWriter:
@@ -126,10 +137,11 @@ def export_hf(
     max_shard_bytes: int = 5 * 2**30,
     log=print,
 ) -> dict:
-    """Transformers' layout of the model in the checkpoint at `path`: config.json,
-    generation_config.json, model.safetensors (or shards + index) and, when the run used a
-    tokenizer.json that is still readable, tokenizer.json and tokenizer_config.json. One
-    tensor at a time: the exporter holds the largest tensor, never the model."""
+    """Transformers' layout of the model in the checkpoint at `path`, in its family's format:
+    config.json, generation_config.json (every id that ends a turn), model.safetensors (or
+    shards + index) and, when the run used a tokenizer.json, tokenizer_config.json (the chat
+    template it trained with, its special tokens) and tokenizer.json itself when it is still
+    readable. One tensor at a time: the exporter holds the largest tensor, never the model."""
 
     with CheckpointReader(path) as reader:
         raw = reader.state.get("model_config")
@@ -150,7 +162,7 @@ def export_hf(
         for fqn in params:
             t = reader.read_full(param_key(fqn)).view(shapes[fqn])
             if is_rotary(fqn):
-                hd = cfg.dim // cfg.n_heads
+                hd = cfg.head_size
                 hf = torch.empty_like(t)
                 hf[torch.from_numpy(rotary_rows(t.shape[0] // hd, hd))] = t
                 t = hf
@@ -158,33 +170,72 @@ def export_hf(
             del t
         files = writer.close()
         tok = reader.state.get("tokenizer") or {}
+        source = reader.state.get(HF_SPECIAL_IDS) or {}
         step = reader.step
-    eos = tok.get("eod_id")
-    storage.write_bytes(
-        out.child(CONFIG), json.dumps(config_to_hf(cfg, dtype, eos), indent=2).encode()
-    )
-    generation = {"eos_token_id": eos, "max_length": cfg.max_seq_len}
-    storage.write_bytes(out.child(GENERATION_CONFIG), json.dumps(generation, indent=2).encode())
+    if not source and cfg.hf_path:  # trained from model=hf: the source may still be readable
+        source = special_ids(cfg.hf_path)
+    bos, eos = serving_ids(tok, source)
+    write_json(out.child(CONFIG), config_to_hf(cfg, dtype, eos, bos))
+    # No max_length: transformers warns when it is set beside max_new_tokens.
+    write_json(out.child(GENERATION_CONFIG), {"bos_token_id": bos, "eos_token_id": eos})
     files += [CONFIG, GENERATION_CONFIG] + _export_tokenizer(tok, out, cfg, log)
-    log(f"export: step {step}, {len(params)} tensors in {dtype} -> {out_dir}: {', '.join(files)}")
-    return {"step": step, "files": files, "tensors": len(params)}
+    log(
+        f"export: step {step}, {cfg.family} ({family_of(cfg).architecture}), {len(params)} "
+        f"tensors in {dtype}, eos {eos}, bos {bos} -> {out_dir}: {', '.join(files)}"
+    )
+    return {"step": step, "files": files, "tensors": len(params), "eos": eos, "bos": bos}
+
+
+def serving_ids(tok: dict, source: dict) -> tuple[Optional[int], Optional[Union[int, list]]]:
+    """(bos_token_id, eos_token_id) of an export. eos: every id that ends a turn in the run's
+    data (tokenizer "stop_ids", end-of-turn first: a list when more than one), else the
+    tokenizer's end-of-document id, else the imported source's. bos: the tokenizer's, else the
+    source's; None only when neither is known."""
+    stops = [int(i) for i in tok.get("stop_ids") or []]
+    if not stops and tok.get("eod_id") is not None:
+        stops = [int(tok["eod_id"])]
+    eos = (stops[0] if len(stops) == 1 else stops) if stops else source.get("eos_token_id")
+    bos = tok.get("bos_id")
+    return (source.get("bos_token_id") if bos is None else int(bos)), eos
+
+
+def write_json(loc: Location, data: dict) -> None:
+    storage.write_bytes(loc, json.dumps(data, indent=2).encode())
 
 
 def _export_tokenizer(tok: dict, out: Location, cfg: ModelConfig, log) -> list[str]:
+    """tokenizer.json (copied) and tokenizer_config.json; none for a byte-level run."""
     name = tok.get("name")
     if not name or name == "byte":
         return []
+    files = []
     try:
-        data = storage.read_bytes(storage.resolve(name))
+        storage.write_bytes(out.child("tokenizer.json"), storage.read_bytes(storage.resolve(name)))
+        files.append("tokenizer.json")
     except (OSError, storage.StorageError) as e:
         log(f"export: the run's tokenizer {name} is not readable here ({e}); copy it yourself")
-        return []
-    storage.write_bytes(out.child("tokenizer.json"), data)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": cfg.max_seq_len,
-        "eos_token": tok.get("eod_token"),
-        "clean_up_tokenization_spaces": False,
+    write_json(out.child(TOKENIZER_CONFIG), tokenizer_config(tok, cfg))
+    return files + [TOKENIZER_CONFIG]
+
+
+def tokenizer_config(tok: dict, cfg: ModelConfig) -> dict:
+    """The tokenizer_config.json of an export: the one beside the run's tokenizer when it was
+    known (its added tokens, class and special tokens kept), else a minimal one; with the
+    chat template the run trained with, and its bos/eos tokens."""
+    config = dict(tok.get("tokenizer_config") or {})
+    if not config:
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        }
+    specials = {
+        "bos_token": tok.get("bos_token"),
+        "eos_token": tok.get("eos_token") or tok.get("eod_token"),
     }
-    storage.write_bytes(out.child("tokenizer_config.json"), json.dumps(config, indent=2).encode())
-    return ["tokenizer.json", "tokenizer_config.json"]
+    for key, token in specials.items():
+        if token is not None and token_text(config.get(key)) != token:
+            config[key] = token
+    if tok.get("chat_template"):
+        config["chat_template"] = tok["chat_template"]
+    return config
