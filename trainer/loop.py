@@ -45,6 +45,7 @@ from trainer.device import resolve_device
 from trainer.fsdp import NO_INIT, build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import load_params
+from trainer.generate import eval_prompts, sample_text
 from trainer.guard import DivergenceError, DivergenceGuard  # noqa: F401 -- DivergenceError: the loop's error
 from trainer.hf import HFWeights, resolve_model
 from trainer.metrics import MetricsLogger, NullLogger, print0
@@ -126,6 +127,7 @@ class Trainer:
             document_mask=d.document_mask,
         )  # fmt: skip
         self.eval_batches = None
+        self._sample_prompts: Optional[list[list[int]]] = None  # the eval samples' prompts
         if t.eval_every:
             self.eval_batches = Batches(
                 self.data, d.seq_len, d.seed, d.eval_sequences, weights, "eval", EVAL_TAG,
@@ -306,6 +308,21 @@ class Trainer:
         self.result.eval_losses.append((self.step - 1, loss))
         return loss
 
+    def log_samples(self) -> None:
+        """What the model says, at each evaluation: greedy generations from the first
+        train.sample_prompts eval windows' prompts, on every rank (each forward is collective),
+        logged by rank 0 as the MLflow text artifact samples/step_N.txt."""
+        count = self.cfg.train.sample_prompts
+        if not count or self.eval_batches is None:
+            return
+        if self._sample_prompts is None:
+            self._sample_prompts = eval_prompts(self.eval_batches, count)
+        text = sample_text(
+            self.model, self.data.tokenizer_info(), self._sample_prompts,
+            self.cfg.train.sample_tokens, world=self.world, step=self.step,
+        )  # fmt: skip
+        self.log.log_text(text, f"samples/step_{self.step}.txt")
+
     def eval_rows(self) -> int:
         """Sequences per evaluation forward: the training micro-batch's, so memory is as trained."""
         per_rank = -(-self.cfg.train.global_batch_size // self.world)
@@ -342,6 +359,8 @@ class Trainer:
         self.guard.read()
         seconds = self.report.seconds_per_step(self.step)
         eval_loss = self.maybe_evaluate()
+        if eval_loss is not None:
+            self.log_samples()
         m = self.model.metrics(self.optimizer)
         m.update(self.checkpointer.metrics())  # snapshot/*: the last in-memory snapshot
         m["train/bad_steps"] = float(len(self.result.bad_steps))  # skipped, non-finite, so far

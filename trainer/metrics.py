@@ -42,6 +42,8 @@ class MetricsLogger(Protocol):
 
     def log_artifact(self, local_path: str) -> None: ...
 
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -58,6 +60,9 @@ class NullLogger:
         pass
 
     def log_artifact(self, local_path: str) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
         pass
 
     def close(self) -> None:
@@ -122,6 +127,12 @@ class MLflowLogger:
 
     def log_artifact(self, local_path: str) -> None:
         self._client.log_artifact(self.run_id, local_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """`text` as the run's artifact `artifact_file` (e.g. samples/step_100.txt), from
+        memory: no file of ours to write or clean up. A restarted group that logs the same
+        step again replaces the file (artifacts, unlike metrics, can be overwritten)."""
+        self._client.log_text(self.run_id, text, artifact_file)
 
     def close(self) -> None:
         """Nothing is buffered; the driver, not a worker, ends the run."""
