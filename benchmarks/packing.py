@@ -208,8 +208,8 @@ def part_packing(args, work: str) -> dict:
         if args.quick:
             pm = PackModel(pm.name, pm.overrides, seq=128, batch=2, steps=2)
         data = prepare_both(work, corpus, tokenizer, pm.seq)
-        result["corpus"][pm.seq] = corpus = corpus_figures(data, pm.seq)
-        result["models"][name] = measure_model(pm, data, 2 if args.quick else args.reps, corpus)
+        result["corpus"][pm.seq] = figures = corpus_figures(data, pm.seq)
+        result["models"][name] = measure_model(pm, data, 2 if args.quick else args.reps, figures)
         result["models"][name]["seq"] = pm.seq
         result["models"][name]["batch"] = pm.batch
     return result

@@ -124,3 +124,16 @@ def test_the_run_logged_its_loss_masked_training_and_generated_samples(finetuned
     assert f"samples/step_{STEPS}.txt" in artifacts, artifacts
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_tokenizer_without_a_chat_template_stops_before_ray_starts(tmp_path):
+    write_lookup_corpus(tmp_path / "sft.jsonl")
+    tokenizer = write_chat_tokenizer(str(tmp_path), str(tmp_path / "sft.jsonl"), 320)
+    (tmp_path / "tokenizer_config.json").unlink()  # no template beside the tokenizer
+    result = run_cli(
+        tmp_path, "data=chat", f"data.source={tmp_path}/sft.jsonl", f"data.tokenizer={tokenizer}",
+        "model.vocab_size=320", timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "data.chat_template" in result.output, result.output[-3000:]
+    assert "Started a local Ray instance" not in result.output

@@ -188,8 +188,9 @@ def read_documents(
         yield from _jsonl_documents(stream, f, text_column, counts)
 
 
-def _jsonl_documents(stream, f: InputFile, text_column: str, counts: Counts) -> Iterator[str]:
-    seen_field = False
+def _jsonl_objects(stream, counts: Counts) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of each line holding a JSON object; other lines are counted (not
+    UTF-8, not JSON, not an object) and skipped, blank lines ignored."""
     for number, line in enumerate(_lines(stream), 1):
         if not line.strip():
             continue
@@ -204,6 +205,12 @@ def _jsonl_documents(stream, f: InputFile, text_column: str, counts: Counts) -> 
         if not isinstance(record, dict):
             counts.add("unreadable")
             continue
+        yield number, record
+
+
+def _jsonl_documents(stream, f: InputFile, text_column: str, counts: Counts) -> Iterator[str]:
+    seen_field = False
+    for number, record in _jsonl_objects(stream, counts):
         if text_column not in record:
             if not seen_field:
                 _missing(f, text_column, sorted(record), "field", f"line {number}")
@@ -303,20 +310,7 @@ def read_records(f: InputFile, columns: tuple[str, ...], counts: Counts) -> Iter
             "jsonl or parquet (chat records are JSON objects or Parquet rows)"
         )
     with loc.fs.open_input_stream(loc.path, compression=f.compression) as stream:
-        for line in _lines(stream):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError:
-                counts.add("non_utf8")
-                continue
-            except ValueError:  # not JSON
-                counts.add("unreadable")
-                continue
-            if not isinstance(record, dict):
-                counts.add("unreadable")
-                continue
+        for _, record in _jsonl_objects(stream, counts):
             counts.add("documents")
             yield record
 
