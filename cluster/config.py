@@ -20,6 +20,7 @@ as `run_folder` below says (its checkpoints in checkpoints/).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
-from trainer.config import PRESETS, ConfigError, TrainConfig, TrainerConfig, fail
+from trainer.config import PRESETS, ConfigError, ModelConfig, TrainConfig, TrainerConfig, fail
 
 SCHEMA_NAME = "job_schema"
 
@@ -285,23 +287,70 @@ class JobConfig(TrainerConfig):
 # ---- Hydra ------------------------------------------------------------------------------------
 
 
+HF_RESOLVER = "hf_config"
+"""model=hf's shape fields are `${hf_config:<field>}`: read from model.hf_path's config.json
+when the config is resolved. `--cfg job` prints them so (where they come from), `--cfg job
+--resolve` and the run itself the checkpoint's values."""
+HF_OWN_FIELDS = ("name", "hf_path")
+"""The fields of model=hf that are not config.json's."""
+
+
 def register_schemas() -> None:
     """JobConfig as `job_schema` and every model preset as `model/<name>` in Hydra's ConfigStore
-    (idempotent: Hydra replaces an entry of the same name)."""
+    (idempotent: Hydra replaces an entry of the same name); model=hf's shape as interpolations
+    of the `hf_config` resolver."""
     store = ConfigStore.instance()
     store.store(name=SCHEMA_NAME, node=JobConfig)
     for name, preset in PRESETS.items():
-        store.store(group="model", name=name, node=preset)
+        store.store(group="model", name=name, node=hf_preset() if name == "hf" else preset)
+    OmegaConf.register_new_resolver(HF_RESOLVER, hf_config_field, replace=True)
+
+
+def hf_preset() -> DictConfig:
+    """PRESETS["hf"] with every field config.json sets as `${hf_config:<field>}`."""
+    node = OmegaConf.structured(PRESETS["hf"])
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in HF_OWN_FIELDS:
+            node[f.name] = f"${{{HF_RESOLVER}:{f.name}}}"
+    return node
+
+
+def hf_config_field(key: str, *, _parent_) -> object:
+    """The resolver: field `key` of the model node's hf_path's config.json (as our ModelConfig);
+    the preset's own value while hf_path is unset (validate() then names model.hf_path)."""
+    path = _parent_.get("hf_path")
+    if not path:
+        return getattr(PRESETS["hf"], key)
+    return _hf_model(path)[key]
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_model(path: str) -> dict:
+    """The ModelConfig fields of the checkpoint at `path`, read once per to_job_config (it
+    clears this cache) however many fields refer to them."""
+    from trainer.hf import resolve_model  # noqa: PLC0415 -- torch: only for model=hf
+
+    return dataclasses.asdict(resolve_model(ModelConfig(name="hf", hf_path=path)))
 
 
 def to_job_config(dictcfg: DictConfig) -> JobConfig:
     """The composed DictConfig as plain dataclasses; Hydra stops here and nothing below sees it.
 
     Hydra's `+key=value` adds a key even to a typed node, and OmegaConf.to_object then drops it
-    without a word; such a key is refused here instead, listing the valid ones.
+    without a word; such a key is refused here instead, listing the valid ones. A ConfigError
+    raised while resolving (model=hf's config.json) is raised as itself, not wrapped.
     """
     check_known_keys(dictcfg, JobConfig)
-    job = OmegaConf.to_object(dictcfg)
+    _hf_model.cache_clear()
+    try:
+        job = OmegaConf.to_object(dictcfg)
+    except InterpolationResolutionError as e:
+        cause = e.__context__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise cause from None
     if not isinstance(job, JobConfig):
         raise TypeError(
             f"composed config is {type(job).__name__}, not JobConfig: "

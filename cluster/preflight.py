@@ -14,6 +14,12 @@ adds what needs the storage itself:
 - the prepared data, when a preparation of this job exists: its manifest reads, every shard is
   there with the size it records (one LIST), and, up to CHECKSUM_MAX_BYTES in all, every shard's
   crc32 is as recorded (a flipped byte would otherwise surface as a bad token id in a worker);
+- the prepared data holds what the run reads (trainer/data/splits.py): a sample of
+  data.seq_len + 1 tokens in the train split (and the eval split with train.eval_every), the
+  windows of this data.seq_len (chat), token ids the model has rows for. Data small enough to
+  prepare in this process (trainer.data.preparation.on_ray_data is False) is prepared here
+  first, so these are answered from its manifest before Ray starts; data prepared on Ray Data
+  is checked by the workers (the same messages);
 - the run's checkpoint folder takes a write: a small uniquely named probe file, removed again.
 """
 
@@ -30,8 +36,9 @@ from omegaconf import DictConfig
 from cluster.config import ConfigError, JobConfig, to_job_config
 from cluster.tracking.runs import resolve_tracking_uri
 from trainer import storage
-from trainer.data import MANIFEST, DataError, PreparedData, plan_and_check
-from trainer.data.preparation import Plan, plan_preparation
+from trainer.data import MANIFEST, DataError, PreparedData, plan_and_check, prepare
+from trainer.data.preparation import Plan, on_ray_data, plan_preparation
+from trainer.data.splits import check_prepared
 from trainer.storage import Location
 
 # ---- the job as the workers will run it --------------------------------------------------------
@@ -55,13 +62,20 @@ def checked_config(
     )
     from trainer.hf import HFWeights, resolve_model  # noqa: PLC0415 -- torch: after the values
 
-    cfg = to_job_config(dictcfg).validate()
+    cfg = to_job_config(dictcfg)  # model=hf: config.json's shape already (cluster/config.py)
+    if cfg.model.hf_path:
+        check_context(cfg)
+    cfg.validate()
     if run_name is not None:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, run_name=run_name))
     cfg = with_absolute_paths(cfg, launch_dir)
     if cfg.model.hf_path:  # the shape is the checkpoint's; its tensors must be that shape's
-        cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model)).validate()
+        cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
+        check_context(cfg)
+        cfg.validate()
         HFWeights(cfg.model.hf_path, cfg.model)
+    if resume:  # before the data's checks: another model's vocabulary is no news then
+        check_resume_model(cfg)
     plan = plan_and_check(cfg)
     if resume:
         preflight_resume(cfg.checkpoint_root, cfg, data_identity(cfg, plan.digest))
@@ -71,6 +85,41 @@ def checked_config(
         memory = int(cfg.cluster.device_memory_gb * 2**30)
         check_fits(cfg, cfg.cluster.world_sizes[0], memory, headroom=cfg.cluster.use_gpu)
     return cfg
+
+
+def check_context(cfg: JobConfig) -> None:
+    """model=hf: data.seq_len within the checkpoint's context (its max_position_embeddings),
+    named as the user knows it, not as model.max_seq_len (which config.json sets)."""
+    context = cfg.model.max_seq_len
+    if cfg.data.seq_len > context:
+        raise ConfigError(
+            f"invalid config: data.seq_len={cfg.data.seq_len} is longer than the model's "
+            f"context, max_position_embeddings={context} in {cfg.model.hf_path}/config.json; "
+            f"valid: data.seq_len <= {context}"
+        )
+
+
+def check_resume_model(cfg: JobConfig) -> None:
+    """The newest checkpoint of the run (if any) is of this model shape; otherwise a ConfigError
+    naming the fields that differ and, for a checkpoint imported from Hugging Face
+    (import-hf), the overrides that train it (`model=hf model.hf_path=<its source>`)."""
+    from trainer.checkpoint import (  # noqa: PLC0415 -- torch: after the values
+        CheckpointError,
+        CheckpointReader,
+        list_checkpoints,
+    )
+    from trainer.checkpoint.resume import check_model  # noqa: PLC0415 -- torch
+
+    for info in list_checkpoints(cfg.checkpoint_root):
+        if info.problem:
+            continue
+        try:
+            state = CheckpointReader(info.path).state
+        except CheckpointError:
+            continue  # the resume falls back past it
+        if state.get("model_config"):
+            check_model(state, cfg.model, info.path)
+        return
 
 
 def is_uri(path: str) -> bool:
@@ -128,6 +177,10 @@ def preflight(cfg: JobConfig, log=print) -> Plan:
     data's preparation plan otherwise (prepare_data takes it: the sources are listed once)."""
     plan = plan_preparation(cfg.data)
     check_prepared_data(plan.root, log)
+    if not on_ray_data(cfg.data, plan):  # seconds here; the workers would find it minutes later
+        prepare(cfg.data, log=log, plan=plan)
+    if storage.exists(plan.root.child(MANIFEST)):
+        check_prepared(cfg, PreparedData.open(str(plan.root)))
     check_storage_writable(cfg.checkpoint_root, cfg.cluster.storage_path)
     return plan
 

@@ -13,7 +13,8 @@ bytes as a one-process preparation. A preparation that died (or was interrupted)
 whose record exists are not sent again.
 
 Training runs prepare too, before their workers start: on Ray Data when data.prepare_with=ray,
-or auto with more than AUTO_RAY_BYTES of sources; otherwise in the driver's process.
+or auto with more than AUTO_RAY_BYTES (trainer/data/preparation.py) of sources; otherwise in the
+driver's process.
 """
 
 from __future__ import annotations
@@ -30,12 +31,17 @@ from omegaconf.errors import OmegaConfBaseException
 from cluster.config import ConfigError, JobConfig, register_schemas
 from cluster.launch import connect_largest
 from cluster.preflight import checked_config
-from trainer.data import PreparedInfo, WorkUnit, plan_and_check, prepare, process_unit
-from trainer.data.preparation import Plan
+from trainer.data import (
+    PreparedData,
+    PreparedInfo,
+    WorkUnit,
+    plan_and_check,
+    prepare,
+    process_unit,
+)
+from trainer.data.preparation import Plan, on_ray_data
+from trainer.data.splits import check_prepared
 from trainer.data.tokenizer import load_tokenizer
-
-AUTO_RAY_BYTES = 256 * 2**20
-"""data.prepare_with=auto prepares on Ray Data above this many bytes of sources."""
 
 register_schemas()
 
@@ -77,18 +83,16 @@ def ray_data_runner(plan: Plan, units: list[WorkUnit], log=print) -> list[dict]:
     return [json.loads(row["record"]) for row in out.take_all()]
 
 
-def use_ray(cfg: JobConfig, plan: Plan) -> bool:
-    if cfg.data.prepare_with != "auto":
-        return cfg.data.prepare_with == "ray"
-    return sum(u.input_bytes for u in plan.units) > AUTO_RAY_BYTES
-
-
 def prepare_data(cfg: JobConfig, plan: Optional[Plan] = None) -> PreparedInfo:
     """Prepare cfg's data (nothing to do when it is prepared already); Ray must be connected
-    when it runs on Ray Data. Prints one line saying what the workers will read."""
+    when it runs on Ray Data. Prints one line saying what the workers will read. Data prepared
+    on Ray Data is checked against the run here, before the workers start (the preflight checked
+    what the driver prepared itself): ConfigError naming what to change."""
     plan = plan or plan_and_check(cfg)
-    runner = ray_data_runner if use_ray(cfg, plan) else None
-    info = prepare(cfg.data, runner=runner, plan=plan)
+    on_ray = on_ray_data(cfg.data, plan)
+    info = prepare(cfg.data, runner=ray_data_runner if on_ray else None, plan=plan)
+    if on_ray:
+        check_prepared(cfg, PreparedData.open(info.uri))
     state = "prepared now" if info.created else "already prepared"
     print(
         f"data: {info.num_tokens:,} tokens from {info.num_files} files in {info.uri} ({state})",

@@ -96,7 +96,7 @@ def test_checkpoint_of_another_model_is_refused_with_a_clear_error(cfg, tmp_path
     _train(0, 1, cfg, root, 1)
     other = copy.deepcopy(cfg)
     other.model.n_layers = 3
-    with pytest.raises(ConfigError, match="written for model"):
+    with pytest.raises(ConfigError, match="is of another model .model.n_layers: 2 there, 3 here"):
         _train(0, 1, other, root, None)
 
 

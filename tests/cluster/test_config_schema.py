@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,20 @@ def test_each_group_has_the_options_the_issues_name():
 @pytest.mark.parametrize(
     "group,option", [(g, o) for g, opts in GROUP_OPTIONS.items() for o in opts]
 )
-def test_every_group_option_composes_into_a_valid_job_config(group, option):
-    cfg = composed(f"{group}={option}", "train.global_batch_size=16", *REQUIRED.get(option, ()))
+def test_every_group_option_composes_into_a_valid_job_config(group, option, tmp_path):
+    required = REQUIRED.get(option, ())
+    if option == "hf":  # composing model=hf reads the shape from the checkpoint's config.json
+        (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+        required = (f"model.hf_path={tmp_path}",)
+    cfg = composed(f"{group}={option}", "train.global_batch_size=16", *required)
     assert isinstance(cfg, JobConfig) and cfg.validate() is cfg
+
+
+TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+}  # fmt: skip
 
 
 # The options that describe a user's own data or model leave where it is to the user.
@@ -55,12 +67,14 @@ REQUIRED = {
     "jsonl": ("data.source=/corpus", "data.tokenizer=/tok.json"),
     "parquet": ("data.source=s3://b/*.parquet", "data.tokenizer=s3://b/tok.json"),
     "text": ("data.source=/corpus",),
+    "chat": ("data.source=/sft.jsonl", "data.tokenizer=/tok.json"),
     "hf": ("model.hf_path=/models/llama",),
 }
 REQUIRED_KEY = {
     "jsonl": "data=jsonl",
     "parquet": "data=parquet",
     "text": "data=text",
+    "chat": "data=chat",
     "hf": "model=hf",
 }
 

@@ -197,7 +197,7 @@ def trained_run(launch_dir, corpus):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("model.dim=64", ["'dim': 32", "'dim': 64", "new cluster.run_name"]),
+        ("model.dim=64", ["(model.dim: 32 there, 64 here)", "model=tiny", "new cluster.run_name"]),
         ("train.global_batch_size=8", ["train.global_batch_size=8", "trained with 4"]),
     ],
 )

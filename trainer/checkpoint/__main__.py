@@ -37,7 +37,11 @@ from trainer.checkpoint.keys import param_name
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.verify import verify
 from trainer.config import ConfigError
-from trainer.hf import export_hf, import_hf
+from trainer.hf import config_from_hf, export_hf, import_hf, read_hf_config
+
+DEFAULT_SEQ_LEN = 128
+"""The default job's data.seq_len (conf/data/stdlib.yaml): the import's command lowers it to a
+model whose context is shorter."""
 
 ONE_CHECKPOINT = "a checkpoint directory (step_NNNNNNNNN)"
 CHECKPOINT_OR_ROOT = f"{ONE_CHECKPOINT} or a folder holding them"
@@ -251,10 +255,37 @@ def cmd_export(path: str, out: str, dtype, fmt: str, max_shard_gb: float) -> int
 
 def cmd_import_hf(src: str, dest: str) -> int:
     path = import_hf(src, dest)
-    print(
-        f"imported {src} -> {path} (step 0; train with the same cluster.run_name to start from it)"
-    )
+    print(f"imported {src} -> {path} (step 0)")
+    print("train from it (a run resumes from the newest checkpoint of its cluster.run_name):")
+    print(f"  {train_command(src, dest)}")
+    if not storage.exists(storage.resolve(src).child("tokenizer.json")):
+        print(
+            f"  (no tokenizer.json in {src}: add data.tokenizer=<the model's tokenizer.json>, "
+            "or the data is byte-level)"
+        )
     return 0
+
+
+def train_command(src: str, dest: str) -> str:
+    """The `python -m cluster.train` command whose run resumes from the import at `dest`: the
+    model is the source's (model=hf model.hf_path=src: its shape and vocabulary), the run folder
+    the one holding `dest` (<cluster.storage_path>/<cluster.run_name>/checkpoints, the layout
+    of cluster/config.py's run_folder), the tokenizer the source's own when it has one, and the
+    default data's windows within the model's context."""
+    args = ["python -m cluster.train", "model=hf", f"model.hf_path={src}"]
+    parent, _, last = dest.rstrip("/").rpartition("/")
+    storage_path, _, run_name = parent.rpartition("/")
+    if last == "checkpoints" and storage_path and run_name:
+        args += [f"cluster.storage_path={storage_path}", f"cluster.run_name={run_name}"]
+    else:  # another folder: the run's checkpoints folder must be this one
+        args += [f"cluster.run_name=<a name: then move {dest} to runs/<name>/checkpoints>"]
+    tokenizer = storage.resolve(src).child("tokenizer.json")
+    if storage.exists(tokenizer):
+        args.append(f"data.tokenizer={src.rstrip('/')}/tokenizer.json")
+    context = config_from_hf(read_hf_config(src), f"{src}/config.json").max_seq_len
+    if context < DEFAULT_SEQ_LEN:
+        args.append(f"data.seq_len={context}")
+    return " ".join(args)
 
 
 def main(argv=None) -> int:

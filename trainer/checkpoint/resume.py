@@ -13,7 +13,7 @@ from typing import Optional
 
 from trainer.checkpoint import CheckpointError, CheckpointReader, list_checkpoints
 from trainer.checkpoint.trainer_state import TrainerState, model_digest
-from trainer.config import ConfigError, TrainerConfig
+from trainer.config import ConfigError, ModelConfig, TrainerConfig
 
 
 def data_identity(cfg: TrainerConfig, digest: str) -> dict:
@@ -47,17 +47,35 @@ def preflight_resume(root: str, cfg: TrainerConfig, data: dict) -> Optional[str]
     return None
 
 
+def check_model(state: dict, model: ModelConfig, path: str) -> None:
+    """ConfigError naming the fields that differ when the checkpoint at `path` (its `state`) is
+    of another model shape, and for a Hugging Face import (import-hf) the overrides that train
+    it (`model=hf model.hf_path=<its source>`)."""
+    saved = state.get("model_config") or {}
+    if state.get("model_digest") == model_digest(model):
+        return
+    now = dataclasses.asdict(model)
+    keys = [k for k in now if k not in ("name", "hf_path") and saved.get(k) != now[k]]
+    changed = ", ".join(f"model.{k}: {saved.get(k)!r} there, {now[k]!r} here" for k in keys)
+    source = state.get("imported_from")
+    fix = (
+        f"model=hf model.hf_path={source} (it was imported from there)"
+        if source
+        else f"the model it was trained with (model={saved.get('name')} and these fields)"
+    )
+    raise ConfigError(
+        f"invalid config: the checkpoint at {path} is of another model "
+        f"({changed or 'the same fields, another digest'}); valid: {fix}, or a new "
+        "cluster.run_name to start another run"
+    )
+
+
 def check_resumable(state: dict, cfg: TrainerConfig, data: dict, path: str) -> None:
     """ConfigError, saying what differs and what to do, when the checkpoint at `path` (its
     `state`) cannot continue this config: another model shape, global batch or data order.
     The driver calls it before any worker starts; every worker again before loading."""
+    check_model(state, cfg.model, path)
     s = TrainerState.from_json(state)
-    if s.model_digest != model_digest(cfg.model):
-        raise ConfigError(
-            f"invalid config: the checkpoint at {path} was written for model "
-            f"{s.model_config}, not {dataclasses.asdict(cfg.model)}; "
-            "valid: the same model config, or a new cluster.run_name"
-        )
     if s.imported_from:  # a step-0 import: no data position, any batch, any data
         return
     if s.global_batch_size != cfg.train.global_batch_size:

@@ -162,6 +162,7 @@ def _print_window(data: PreparedData, chars: int = 2000) -> None:
 
 
 def cmd_train_tokenizer(cfg: DataConfig, vocab_size: int, out: str, max_docs: int) -> int:
+    out_loc = output_location(out)  # before the training: a bad --out fails in a second
     plan = plan_preparation(dataclasses.replace(cfg, tokenizer="byte"))
     counts = Counts()
 
@@ -176,12 +177,29 @@ def cmd_train_tokenizer(cfg: DataConfig, vocab_size: int, out: str, max_docs: in
                         return
 
     model = train_tokenizer(documents(), vocab_size)
-    storage.write_atomic(storage.resolve(out), model.to_str().encode())
+    storage.write_atomic(out_loc, model.to_str().encode())
     print(
         f"tokenizer: {model.get_vocab_size():,} tokens (asked {vocab_size:,}) from "
         f"{counts.get('documents', 0):,} documents -> {out}"
     )
     return 0
+
+
+def output_location(out: str) -> storage.Location:
+    """--out resolved, its folder created (local: every missing parent); an OSError naming the
+    folder and what is valid when it cannot be."""
+    loc = storage.resolve(out)
+    folder = loc.path.rpartition("/")[0]
+    if not folder:
+        return loc
+    try:
+        loc.fs.create_dir(folder, recursive=True)
+    except OSError as e:
+        raise OSError(
+            f"--out={out}: cannot create its folder {folder} ({e}); valid: a path or URI "
+            "whose folder exists or can be created"
+        ) from None
+    return loc
 
 
 def cmd_prepare(cfg: DataConfig) -> int:

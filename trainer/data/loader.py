@@ -32,6 +32,7 @@ from trainer.config import ConfigError
 
 from .dataset import PreparedData, TokenStream
 from .sampler import GlobalOrder, rank_range
+from .splits import too_small, window_mismatch
 
 EVAL_TAG = 1
 """Seeds the evaluation set's order apart from training's."""
@@ -174,10 +175,7 @@ class Batches:
         sources = range(data.num_sources)
         if self.width is not None:
             if seq_len + 1 != self.width:
-                raise ConfigError(
-                    f"invalid config: data.seq_len={seq_len}; valid: {self.width - 1} (the "
-                    f"windows of {data.root} are {self.width} tokens: prepared at that seq_len)"
-                )
+                raise ConfigError(window_mismatch(data, seq_len))
             self.mask_streams = [data.extra_stream("mask", i, split) for i in sources]
             self.position_streams = [data.extra_stream("positions", i, split) for i in sources]
             self.counts = [data.window_counts(i, split).astype(np.int64) for i in sources]
@@ -185,14 +183,8 @@ class Batches:
         else:
             self.num_samples = [(len(s) - 1) // seq_len for s in self.streams]
         for i, n in enumerate(self.num_samples):
-            if n <= 0:
-                tokens = len(self.streams[i])
-                raise ConfigError(
-                    f"invalid config: data.seq_len={seq_len}; valid: at most {max(tokens - 1, 0)} "
-                    f"(the {split} split of source {i} ({data.manifest.sources[i].name}) holds "
-                    f"{tokens} tokens; add data, or raise data.max_bytes / lower "
-                    "data.eval_fraction)"
-                )
+            if n <= 0:  # the driver's preflight says the same before any worker starts
+                raise ConfigError(too_small(data, i, split, seq_len))
         weights = weights or [1.0] * len(self.streams)
         self.order = GlobalOrder(self.num_samples, weights, seed, tag)
         remote = not data.root.is_local

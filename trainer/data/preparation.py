@@ -72,6 +72,9 @@ UNIT_BYTES = 64 * 2**20
 ENCODE_BATCH = 512
 """Documents tokenized per call (the tokenizer parallelises inside a batch)."""
 PREPARE_VERSION = 2
+AUTO_RAY_BYTES = 256 * 2**20
+"""data.prepare_with=auto prepares on Ray Data above this many bytes of sources (`on_ray_data`);
+below, the driver prepares in its own process, before Ray starts (cluster/preflight.py)."""
 
 
 @dataclass
@@ -255,6 +258,14 @@ def _template_and_eot(cfg: DataConfig, config: Optional[dict], tokenizer: Tokeni
             f"{', '.join(tokenizer._special_tokens()) or 'it has none'}>"
         )
     return template, eot
+
+
+def on_ray_data(cfg: DataConfig, plan: Plan) -> bool:
+    """Whether `plan` is prepared on Ray Data (data.prepare_with=ray, or auto with more than
+    AUTO_RAY_BYTES of sources) rather than in the driver's process."""
+    if cfg.prepare_with != "auto":
+        return cfg.prepare_with == "ray"
+    return sum(u.input_bytes for u in plan.units) > AUTO_RAY_BYTES
 
 
 def plan_and_check(cfg: TrainerConfig) -> Plan:
