@@ -1,17 +1,26 @@
-"""Ray for one job: connect (or start a local instance) and build the Train V2 TorchTrainer."""
+"""Ray for one job: join the cluster (or start a local instance), check it holds the job, and
+build the Train V2 TorchTrainer.
+
+    connect_for_jobs([cfg])          # join or start Ray; exit 1 if it cannot hold the job
+    trainer = build_trainer(cfg, worker_config(...))
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import socket
 import sys
 from typing import Optional
 
+from cluster.capacity import Capacity, Request, worker_resources
 from cluster.config import ClusterConfig, JobConfig
 from cluster.elastic import spares
 from cluster.elastic.grow import GrowDrain
-from cluster.logs import NEVER_DEDUP, quiet_ray_driver, ray_train_logging
+from cluster.logs import NEVER_DEDUP, plain_ray_console, quiet_ray_driver, ray_train_logging
 from cluster.run.folder import RunFolder
+from cluster.tracking.source import COMMIT_ENV, source_tags
 from cluster.worker import train_loop_per_worker
 
 
@@ -20,9 +29,83 @@ def ray_address(cluster: ClusterConfig) -> str | None:
     return cluster.address or os.environ.get("RAY_ADDRESS") or None
 
 
+def joins_cluster(cluster: ClusterConfig) -> bool:
+    """Whether the job joins a running Ray (an address, RAY_ADDRESS) rather than starting one
+    here: the cluster is then checked before anything is written (cluster/train.py)."""
+    return ray_address(cluster) not in (None, "local")
+
+
 def local_num_cpus(cluster: ClusterConfig) -> int:
     """Just enough logical CPUs for the largest worker group, plus one for Ray's own actors."""
     return math.ceil(cluster.world_sizes[1] * cluster.cpus_per_worker) + 1
+
+
+class NoCluster(ConnectionError):
+    """No Ray to join at the address the job names; the message says where it looked."""
+
+
+def join_address(cluster: ClusterConfig) -> Optional[str]:
+    """The host:port (or ray:// URL) to join, or None to start a local Ray.
+
+    `auto` is resolved as Ray does, but without its last resort: Ray's `auto` joins any Ray
+    process it finds on this machine (another program's private instance, a test's), and waits
+    long for one it cannot reach. Here `auto` means RAY_ADDRESS (`ray job submit` sets it), else
+    the cluster a `ray start` on this machine recorded; an address is probed for a few seconds.
+    """
+    address = ray_address(cluster)
+    if address in (None, "local"):
+        return None
+    given = f"cluster.address={cluster.address!r}" if cluster.address else "RAY_ADDRESS"
+    env = os.environ.get("RAY_ADDRESS")
+    if address == "auto" and env and env != "auto":
+        address, given = env, f"RAY_ADDRESS={env!r} (for cluster.address='auto')"
+    if address == "auto":
+        address = started_cluster()
+        if address is None:
+            raise NoCluster(
+                f"{given}: no Ray cluster to join: RAY_ADDRESS is unset and no `ray start` on "
+                f"this machine recorded one ({ray_address_file()} is absent); valid: run it on "
+                "the cluster (`ray job submit` or python -m cluster.submit), "
+                "cluster.address=<head host>:6379, or cluster=local to start Ray here"
+            )
+        given = f"cluster.address='auto' (the `ray start` in {ray_address_file()})"
+    probe(address, given)
+    return address
+
+
+def ray_address_file() -> str:
+    """Where `ray start` records its cluster's address (Ray's default temp dir; RAY_TMPDIR)."""
+    from ray._common.utils import get_ray_address_file  # noqa: PLC0415 -- ray: a job's only
+
+    return get_ray_address_file(None)
+
+
+def started_cluster() -> Optional[str]:
+    """The GCS address the last `ray start` on this machine wrote, or None."""
+    try:
+        with open(ray_address_file()) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+PROBE_TIMEOUT_S = 5.0
+
+
+def probe(address: str, given: str) -> None:
+    """NoCluster unless `address`'s host:port takes a TCP connection within PROBE_TIMEOUT_S
+    (ray.init would otherwise wait minutes, printing one warning every 5 s)."""
+    host, sep, port = address.rpartition("://")[2].rpartition(":")
+    if not sep or not port.isdigit():
+        return  # not host:port: Ray says what is wrong with it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise NoCluster(
+            f"{given}: no Ray cluster reachable at {address} ({type(e).__name__}: "
+            f"{e.strerror or e}); valid: the address of a running Ray head (its GCS port, "
+            "6379 unless changed), or cluster=local to start Ray here"
+        ) from None
 
 
 def connect(cluster: ClusterConfig) -> None:
@@ -41,11 +124,43 @@ def connect(cluster: ClusterConfig) -> None:
     # to stdout: every step line would show twice. Ray propagates this to the workers.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     quiet_ray_driver(cluster.verbose)
-    address = ray_address(cluster)
+    plain_ray_console()
+    address = join_address(cluster)
     if address:
+        set_api_server(None)
         ray.init(address=address)
+        return
+    port = free_port()
+    set_api_server(f"http://127.0.0.1:{port}")
+    ray.init(num_cpus=local_num_cpus(cluster), include_dashboard=True, dashboard_port=port)
+
+
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+API_SERVER_OURS = "ELASTIC_FSDP_SET_API_SERVER_ADDRESS"
+
+
+def set_api_server(url: Optional[str]) -> None:
+    """Point Ray's State API clients at the local Ray's dashboard (`url`), or at nothing of ours
+    (None, when joining a cluster), unless the user set RAY_API_SERVER_ADDRESS. Ray's helper
+    actors (its placement-group cleaner, which polls the State API every second) find it on
+    "auto", which picks any Ray on the machine; the raylet hands this variable to every worker
+    it starts, so they ask this run's. Like HEALTH_CHECK_OURS below: a value inherited from a
+    process that set it (a test, a sweep's driver) is ours to replace."""
+    current = os.environ.get(API_SERVER_ENV)
+    if current is not None and current != os.environ.get(API_SERVER_OURS):
+        return
+    if url is None:
+        os.environ.pop(API_SERVER_ENV, None)
+        os.environ.pop(API_SERVER_OURS, None)
     else:
-        ray.init(num_cpus=local_num_cpus(cluster), include_dashboard=True)
+        os.environ[API_SERVER_ENV] = os.environ[API_SERVER_OURS] = url
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the local Ray's dashboard)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def connect_largest(cfgs: list[JobConfig]) -> None:
@@ -55,6 +170,9 @@ def connect_largest(cfgs: list[JobConfig]) -> None:
     largest = max(cfgs, key=lambda c: local_num_cpus(c.cluster))
     try:
         connect(largest.cluster)
+    except NoCluster as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except ConnectionError as e:
         print(
             f"error: cannot reach Ray (cluster.address={largest.cluster.address!r}, "
@@ -62,6 +180,72 @@ def connect_largest(cfgs: list[JobConfig]) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+
+
+def connect_for_jobs(cfgs: list[JobConfig]) -> None:
+    """connect_largest, then check that the cluster holds every job's workers (or its
+    autoscaler can add what they lack, cluster/capacity.py): exit 1 with one error naming the
+    request, the cluster and the keys to change, within seconds, instead of waiting forever."""
+    connect_largest(cfgs)
+    address = connected_address()
+    started = not joins_cluster(cfgs[0].cluster)
+    capacity = Capacity.of_ray(f"{address} (a local Ray started here)" if started else address)
+    for cfg in cfgs:
+        request = Request.of(cfg.cluster)
+        problem = request.infeasible(capacity)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            sys.exit(1)
+    largest = max(cfgs, key=lambda c: c.cluster.world_sizes[1])
+    note = Request.of(largest.cluster).waits_for(capacity)
+    if note:
+        print(note, flush=True)
+
+
+def connected_address() -> str:
+    """The GCS address of the Ray this process is connected to ('?' where Ray does not say: a
+    Ray Client connection)."""
+    import ray  # noqa: PLC0415 -- connected: imported already
+
+    try:
+        return ray.get_runtime_context().gcs_address or "?"
+    except Exception:
+        return "?"
+
+
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray's job supervisor for a driver it runs (`ray job submit`): the job's runtime env and
+metadata, its submission id among them (ray/dashboard/modules/job/job_supervisor.py)."""
+
+
+def ray_job_tags() -> dict[str, str]:
+    """MLflow tags naming the Ray job of this driver, however it was launched: `ray.job_id`
+    (Ray's own job id, also of a plain `python -m cluster.train`), `ray.address`, and under
+    `ray job submit` `ray.submission_id` (what `ray job logs/status/stop` take) and
+    `ray.working_dir` (the uploaded package). Where the code's commit is unknown (`ray job
+    submit` uploads no .git), `git_commit` says so and how to record it."""
+    import ray  # noqa: PLC0415 -- connected: imported already
+
+    tags = {
+        "ray.job_id": ray.get_runtime_context().get_job_id(),
+        "ray.address": connected_address(),
+    }
+    try:
+        submitted = json.loads(os.environ.get(JOB_CONFIG_ENV) or "{}")
+    except ValueError:
+        submitted = {}
+    submission_id = (submitted.get("metadata") or {}).get("job_submission_id")
+    working_dir = (submitted.get("runtime_env") or {}).get("working_dir")
+    if submission_id:
+        tags["ray.submission_id"] = submission_id
+    if working_dir:
+        tags["ray.working_dir"] = str(working_dir)
+    if submission_id and "mlflow.source.git.commit" not in source_tags():
+        tags["git_commit"] = (
+            f"unknown: `ray job submit` uploaded {working_dir or 'the code'} without .git and "
+            f"without {COMMIT_ENV}; submit with python -m cluster.submit to record the commit"
+        )
+    return tags
 
 
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -101,7 +285,6 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     set_health_check_interval(c.health_check_interval_s)
     lo, hi = c.world_sizes
     elastic = c.min_workers is not None
-    resources = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
     # the running group checkpoints before Ray grows it (the controller reaches the run folder)
     folder = RunFolder.of_run(c)
     launch_id = train_loop_config.get("launch", {}).get("launch_id", "")
@@ -109,7 +292,7 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     scaling = ray.train.ScalingConfig(
         num_workers=(lo, hi) if elastic else hi,
         use_gpu=c.use_gpu,
-        resources_per_worker=resources,
+        resources_per_worker=worker_resources(c),
         elastic_resize_monitor_interval_s=c.elastic_resize_monitor_interval_s,
     )
     return ray.train.torch.TorchTrainer(

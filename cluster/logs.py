@@ -3,6 +3,7 @@
     quiet_libraries(cfg.cluster.verbose)      # driver (cluster/train.py) and each worker
     quiet_ray_worker(cfg.cluster.verbose)     # each worker (cluster/worker.py)
     quiet_ray_driver(cfg.cluster.verbose)     # the driver, before ray.init
+    plain_ray_console()                       # the driver, before ray.init: no colour in a pipe
     RunConfig(logging_config=ray_train_logging(verbose))
     with tee_to_job_log():                    # the driver: the console also lands in Hydra's log
 
@@ -16,12 +17,21 @@ warning or error. What it leaves out unless `cluster.verbose=true`:
 - Ray's "Token authentication is enabled for this Ray cluster" note on a local start (the
   default it announces stays in force).
 - INFO from MLflow's system-metrics monitor and database set-up, and matplotlib's font manager.
+- The lines of Ray Train's PlacementGroupCleaner actor (a detached helper that polls the State
+  API every second and warns whenever it cannot): they stay in Ray's session logs
+  (<ray temp dir>/session_latest/logs/worker-*.err).
+
+When stdout is not a terminal (a pipe, a file, `ray job submit`'s log) nothing carries ANSI
+colour codes: Ray's "(RayTrainWorker pid=...)" prefixes (RAY_COLOR_PREFIX=0), its "Started a
+local Ray instance" line, Ray Data's progress bars (RAY_DATA_DISABLE_PROGRESS_BARS=1). A user's
+own setting of either variable stands.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import sys
 import threading
@@ -83,12 +93,42 @@ Ray is the launching user's own. Its warning that token auth is disabled is kept
 
 
 def quiet_ray_driver(verbose: bool) -> None:
-    """Before ray.init in the driver: leave out Ray's note that it enabled token auth."""
+    """Before ray.init in the driver: leave out Ray's note that it enabled token auth, and the
+    PlacementGroupCleaner's lines Ray forwards from its actor (`Tee`)."""
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if verbose:
         logger.removeFilter(TOKEN_AUTH_NOTE)
     else:
         logger.addFilter(TOKEN_AUTH_NOTE)
+    _Hidden.helpers = () if verbose else HIDDEN_HELPERS
+
+
+class PlainText(logging.Filter):
+    """Takes the ANSI colour codes out of a record's message (Ray colours its dashboard URL)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "\x1b[" in message:
+            record.msg, record.args = ANSI.sub("", message), None
+        return True
+
+
+PLAIN_TEXT = PlainText()
+RAY_STARTED_LOGGER = "ray._private.worker"  # "Started a local Ray instance. View the dashboard"
+
+
+def plain_ray_console(stream: Optional[TextIO] = None) -> bool:
+    """Before ray.init in the driver: no ANSI colour codes in what Ray prints when `stream`
+    (stdout) is not a terminal. Returns whether colours were turned off."""
+    stream = stream or sys.stdout
+    if stream.isatty():
+        return False
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # ray/_private/worker.py print_worker_logs
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")  # ray/data/context.py
+    logger = logging.getLogger(RAY_STARTED_LOGGER)
+    if PLAIN_TEXT not in logger.filters:
+        logger.addFilter(PLAIN_TEXT)
+    return True
 
 
 # ---- the workers' lines, all of them, before the driver goes on ------------------------------
@@ -109,6 +149,20 @@ which its console stream swallows."""
 class _Ends:
     seen: set[str] = set()
     arrived = threading.Condition()
+
+
+HIDDEN_HELPERS = ("(PlacementGroupCleaner pid=",)
+"""Ray helper actors whose forwarded lines a quiet run leaves out of the console (the module's
+docstring says why)."""
+
+
+class _Hidden:
+    helpers: tuple[str, ...] = HIDDEN_HELPERS
+
+
+def _hidden_helper(text: str) -> bool:
+    """Whether `text` is a line Ray forwarded from a hidden helper actor."""
+    return bool(_Hidden.helpers) and ANSI.sub("", text).startswith(_Hidden.helpers)
 
 
 def end_of_output(launch_id: str) -> str:
@@ -164,7 +218,7 @@ class Tee:
 
     def write(self, text: str) -> int:
         with self.lock:
-            if _saw_end(text):  # the workers' end-of-output line: noted, not shown
+            if _saw_end(text) or _hidden_helper(text):  # noted (the end) or left out: not shown
                 self.skip_newline = not text.endswith("\n")  # print() writes its end apart
                 return len(text)
             if self.skip_newline:

@@ -13,6 +13,13 @@ pattern that no longer matches means the line is gone, not that the pattern went
         enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out. ...
     Matplotlib is building the font cache; this may take a moment.   (fresh MPLCONFIGDIR)
 
+The run's stdout is a pipe, as under `ray job submit` or `> log`: nothing in it carries an ANSI
+colour code (Ray coloured its "(RayTrainWorker pid=...)" prefixes and the dashboard URL of its
+"Started a local Ray instance" line), and Ray Train's PlacementGroupCleaner actor, which polled
+another Ray's State API on this busy machine and printed "Found multiple active Ray instances"
+and its warnings, is neither seen nor pointed at another Ray (cluster/launch.py gives the local
+Ray's workers its own dashboard address). The MLflow run names its Ray job and its commit.
+
 `cluster.verbose=true` brings them back: that is checked in-process, through the same Ray
 Train filter and loggers, rather than with a second minute-long run.
 """
@@ -20,9 +27,11 @@ Train filter and loggers, rather than with a second minute-long run.
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import pytest
+from mlflow.tracking import MlflowClient
 from ray.train.v2._internal.execution import context
 from ray.train.v2._internal.logging.logging import TrainLogLevelFilter
 
@@ -113,7 +122,28 @@ def test_step_lines_and_summary_reach_the_console_and_the_hydra_log(healthy_run)
     job_log = (launch_dir / "outputs" / "train.log").read_text().splitlines()
     assert len(matching(job_log, STEP_LINE)) == STEPS
     assert "== done ==" in job_log
-    assert matching(job_log, re.compile("\x1b")) == []  # Ray's colours stay on the console
+    assert matching(job_log, re.compile("\x1b")) == []  # a terminal's colours never reach it
+
+
+def test_a_piped_run_prints_no_ansi_colour_code(healthy_run):
+    _, lines = healthy_run
+    assert matching(lines, re.compile("\x1b")) == []
+    assert matching(lines, re.compile(r"Started a local Ray instance\. View the dashboard at http"))
+
+
+def test_placement_group_cleaner_lines_stay_out_of_the_console(healthy_run):
+    _, lines = healthy_run
+    assert matching(lines, re.compile("PlacementGroupCleaner|Found multiple active Ray")) == []
+
+
+def test_the_run_says_how_to_see_it_once_and_names_its_ray_job_and_commit(healthy_run):
+    launch_dir, lines = healthy_run
+    assert len(matching(lines, re.compile(r"^see it: "))) == 1
+    client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("quiet").experiment_id])
+    tags = run.data.tags
+    assert re.fullmatch(r"[0-9a-f]{8}", tags["ray.job_id"]), tags
+    assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"]), tags  # a checkout
 
 
 # ---- cluster.verbose=true: the same mechanisms, in-process ------------------------------------
@@ -232,3 +262,58 @@ def test_rank_0s_end_of_output_line_is_noted_not_shown():
         "[job 1/2 x=1] (RayTrainWorker pid=7) step 3/3 | loss 1.0",
         "[job 1/2 x=1] == done ==",
     ]
+
+
+def test_ray_colours_are_turned_off_only_when_stdout_is_not_a_terminal(monkeypatch):
+    import io  # noqa: PLC0415 -- this test only
+
+    from cluster.logs import PLAIN_TEXT, RAY_STARTED_LOGGER, plain_ray_console  # noqa: PLC0415
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for name in ("RAY_COLOR_PREFIX", "RAY_DATA_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)
+    logger = logging.getLogger(RAY_STARTED_LOGGER)
+    assert not plain_ray_console(Terminal())
+    assert "RAY_COLOR_PREFIX" not in os.environ and PLAIN_TEXT not in logger.filters
+    try:
+        assert plain_ray_console(io.StringIO())
+        assert os.environ["RAY_COLOR_PREFIX"] == "0"
+        assert os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] == "1"
+        started = logger.makeRecord(
+            logger.name,
+            logging.INFO,
+            __file__,
+            1,
+            "Started a local Ray instance. View the dashboard at %s%shttp://127.0.0.1:8265 %s%s",
+            ("\x1b[1m", "\x1b[32m", "\x1b[39m", "\x1b[22m"),
+            None,
+        )
+        assert logger.filter(started)
+        assert started.getMessage() == (
+            "Started a local Ray instance. View the dashboard at http://127.0.0.1:8265 "
+        )
+    finally:
+        logger.removeFilter(PLAIN_TEXT)
+
+
+def test_placement_group_cleaner_lines_are_left_out_unless_verbose(restored_loggers):
+    import io  # noqa: PLC0415 -- this test only
+    import threading  # noqa: PLC0415 -- this test only
+
+    from cluster.logs import Tee  # noqa: PLC0415 -- next to its test
+
+    console = io.StringIO()
+    out = Tee(console, None, threading.Lock())
+    cleaner = "\x1b[36m(PlacementGroupCleaner pid=9)\x1b[0m Failed to query Ray Train Controller"
+    quiet_ray_driver(verbose=False)
+    out.write(cleaner)
+    out.write("\n")
+    out.write("(RayTrainWorker pid=7) step 1/4 | loss 3.1\n")
+    assert console.getvalue() == "(RayTrainWorker pid=7) step 1/4 | loss 3.1\n"
+    quiet_ray_driver(verbose=True)
+    out.write(cleaner + "\n")
+    assert console.getvalue().endswith(cleaner + "\n")
+    quiet_ray_driver(verbose=False)
