@@ -1,5 +1,5 @@
-"""Compare the runs of a sweep: a table and plots, printed, written to a folder, logged to the
-parent.
+"""Compare the runs of a sweep: a table, a verdict and plots, printed, written to a folder, and
+logged to the parent run (its description holds the table: MLflow's Overview page answers).
 
     python -m cluster.report elastic-fsdp                       # the newest sweep of an experiment
     python -m cluster.report 3f2a...c1 --out report/            # a sweep's parent run id
@@ -7,15 +7,23 @@ parent.
 
 One row per child run: strategy, world size, tokens/s and step time (median, with the p10-p90
 spread, over the logged steps after the warm-up: cluster/tracking/summary.py, the numbers
-finish_tracking logs as summary/*), the steps measured, peak memory per rank (the engine's
+finish_tracking logs as Summary/*), the steps measured, peak memory per rank (the engine's
 accounted peak, mem/peak_total_bytes: parameters, gradients, optimizer state, gathered buffers;
 on GPU runs also the device's max allocated, activations included), bytes moved per step per
-rank (comm/total_bytes) and the final loss. Under the table: the fastest finished run by median
-tokens/s, and a warning when its p10-p90 overlaps another run's (the ranking is within the noise)
-or when a run is too short or too noisy to rank. The parent run is tagged with the fastest
-(sweep/winner).
-Plots: loss against step for every run, tokens/s by strategy (p10-p90 error bars), memory by
-strategy. An experiment without sweeps is reported run by run (there is then no parent to log to).
+rank (comm/total_bytes) and the final loss.
+
+Under the table, the verdict (cluster/tracking/compare.py): the fastest configuration only when
+the numbers can tell it (every run long and steady enough, and its throughput range clear of
+every other's: p10-p90 of one run, the spread of the medians of repeats), else
+"no ranking: <why>"; and the one that needs least memory. Only a told fastest is tagged
+`sweep/winner` on the parent.
+
+Logged to the parent: the description (`mlflow.note.content`: the verdict and the table in
+markdown, shown on the run's Overview page), report/report.txt and report/report.csv, and the
+plots at the run's root (the Artifacts tab lists them first) and as images keyed Summary/* (the
+run's Model metrics tab shows them first). Plots: loss against step for every run, tokens/s by
+run (p10-p90 error bars), memory by run; too-short runs are hatched. An experiment without sweeps
+is reported run by run (there is then no parent to log to).
 """
 
 from __future__ import annotations
@@ -29,18 +37,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from cluster.tracking.compare import RunSummary, Verdict, find_runs, summarize, verdict, winner_tags
-from cluster.tracking.plots import plot_bars, plot_loss_curves
-from cluster.tracking.runs import resolve_tracking_uri
-from cluster.tracking.summary import MAX_SPREAD, MIN_MEASURED_STEPS, WARMUP_STEPS
-
-REPORT_FILES = (
-    "report.txt",
-    "report.csv",
-    "loss_vs_step.png",
-    "tokens_per_s_by_strategy.png",
-    "memory_by_strategy.png",
+from cluster.tracking.compare import (
+    WINNER_TAGS,
+    RunSummary,
+    Verdict,
+    find_runs,
+    summarize,
+    verdict,
+    verdict_tags,
 )
+from cluster.tracking.plots import plot_bars, plot_loss_curves
+from cluster.tracking.runs import NOTE_TAG, resolve_tracking_uri
+from cluster.tracking.summary import MAX_SPREAD, MIN_MEASURED_STEPS, SUMMARY, WARMUP_STEPS
+
+PLOTS = ("tokens_per_s_by_strategy.png", "memory_by_strategy.png", "loss_vs_step.png")
+REPORT_FILES = ("report.txt", "report.csv", *PLOTS)
+"""What the report writes to its folder."""
+REPORT_ARTIFACTS = ("report/report.txt", "report/report.csv", *PLOTS)
+"""Where they go in the parent run: the plots at its root, where the Artifacts tab lists them
+first; the table's files under report/."""
+IMAGE_KEYS = {
+    "tokens_per_s_by_strategy.png": f"{SUMMARY}throughput",
+    "memory_by_strategy.png": f"{SUMMARY}memory",
+    "loss_vs_step.png": f"{SUMMARY}loss",
+}
+"""The plots as MLflow images too: the parent's Model metrics tab shows them, in its first
+section (Summary)."""
 MiB = 2**20
 
 
@@ -142,15 +164,19 @@ CSV_FIELDS = (
     "step_ms_p90",
     "steps_measured",
     "too_short",
+    "too_short_reason",
     "peak_memory_bytes",
     "device_peak_bytes",
     "bytes_per_step",
     "final_loss",
     "status",
+    "config",
 )
 
 
 def write_csv(rows: list[RunSummary], path: Path) -> None:
+    """One line per run; too_short is a boolean (True/False, as pandas reads it back), the
+    reason beside it."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_FIELDS)
@@ -170,11 +196,11 @@ def bar_labels(rows: list[RunSummary]) -> list[str]:
 
 
 def write_plots(rows: list[RunSummary], out: Path) -> list[str]:
+    """The PLOTS, in that order; a too-short run is hatched in the bars and named so in the
+    loss curves' legend."""
     labels = bar_labels(rows)
+    short = [r.too_short for r in rows]
     return [
-        plot_loss_curves(
-            {r.name: r.loss_curve for r in rows}, str(out / "loss_vs_step.png"), "train/loss by run"
-        ),
         plot_bars(
             labels,
             [r.tokens_per_s for r in rows],
@@ -182,6 +208,7 @@ def write_plots(rows: list[RunSummary], out: Path) -> list[str]:
             "throughput by strategy",
             str(out / "tokens_per_s_by_strategy.png"),
             ranges=[(r.tokens_per_s_p10, r.tokens_per_s_p90) for r in rows],
+            marked=short,
         ),
         plot_bars(
             labels,
@@ -189,8 +216,69 @@ def write_plots(rows: list[RunSummary], out: Path) -> list[str]:
             "peak memory per rank, MiB",
             "memory by strategy (mem/peak_total_bytes)",
             str(out / "memory_by_strategy.png"),
+            marked=short,
+        ),
+        plot_loss_curves(
+            {r.name + (" (too short)" if r.too_short else ""): r.loss_curve for r in rows},
+            str(out / "loss_vs_step.png"),
+            "train/loss by run",
         ),
     ]
+
+
+# ---- the parent's description: what its Overview page shows ------------------------------------
+
+MARKDOWN_COLUMNS = (
+    "run",
+    "strategy",
+    "world",
+    "tokens/s median (p10-p90)",
+    "step ms median",
+    "peak MiB/rank",
+    "MiB moved/step",
+    "final loss",
+    "status",
+)
+
+
+def markdown_note(head: str, rows: list[RunSummary], decision: Verdict, notes: list[str]) -> str:
+    """The verdict in one bold line (the Overview shows the top of a description before its
+    "Show more"), then one table row per run (the fastest's throughput and the least memory in
+    bold, a too-short run marked), then the verdict in full and how the numbers were taken: what
+    `mlflow.note.content` holds, rendered as markdown on the run's Overview page."""
+    fastest = {r.run_id for r in decision.fastest.runs} if decision.fastest else set()
+    least = {r.run_id for c in decision.least_memory for r in c.runs}
+    lines = [
+        f"**{_md(decision.brief())}**",
+        "",
+        "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
+        "|" + "|".join(":--" if i < 2 else "--:" for i in range(len(MARKDOWN_COLUMNS))) + "|",
+    ]
+    for r in rows:
+        tokens = _spread(r.tokens_per_s, r.tokens_per_s_p10, r.tokens_per_s_p90, ",.0f")
+        memory = _num(r.peak_memory_bytes / MiB, ",.2f")
+        cells = (
+            _md(r.name),
+            r.strategy,
+            r.world_size,
+            f"**{tokens}**" if r.run_id in fastest else tokens,
+            _num(r.step_ms, ".1f"),
+            f"**{memory}**" if r.run_id in least else memory,
+            _num(r.bytes_per_step / MiB, ".2f"),
+            _num(r.final_loss, ".4f"),
+            r.status + (", too short or noisy" if r.too_short else ""),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *(f"- {_md(n)}" for n in decision.lines() + notes)]
+    lines += ["", f"_{_md(head)}. Plots: {', '.join(PLOTS)} (Artifacts); the table as "
+              "report/report.csv._"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    """Text in a markdown table cell or line: pipes and `*` escaped (an underscore inside a word
+    is literal in GitHub-flavoured markdown, as MLflow renders it)."""
+    return text.replace("|", "\\|").replace("*", "\\*")
 
 
 # ---- all of it -------------------------------------------------------------------------------
@@ -208,7 +296,8 @@ def write_report(tracking_uri: str, target: str, out_dir: str) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(rows)
     decision = verdict(rows)
-    below = "\n".join(table_notes(rows) + [""] + decision.lines())
+    notes = table_notes(rows)
+    below = "\n".join(notes + [""] + decision.lines())
     head = (
         f"sweep {parent.info.run_name!r} (parent run {parent.info.run_id})"
         if parent
@@ -219,20 +308,49 @@ def write_report(tracking_uri: str, target: str, out_dir: str) -> Report:
     files = [str(out / "report.txt"), str(out / "report.csv"), *write_plots(rows, out)]
     print(f"{head}, {len(rows)} runs, tracking URI {tracking_uri}\n\n{table}\n\n{below}\n")
     if parent is not None:
-        for path in files:
-            client.log_artifact(parent.info.run_id, path, artifact_path="report")
-        for key, value in winner_tags(decision).items():
-            client.set_tag(parent.info.run_id, key, value)
-        if decision.winner is not None:
-            client.log_metric(
-                parent.info.run_id, "sweep/winner_tokens_per_s_median", decision.winner.tokens_per_s
-            )
+        log_to_parent(client, parent.info.run_id, files, markdown_note(head, rows, decision, notes))
+        tag_verdict(client, parent, decision)
     print(
         f"report: {out} ({', '.join(Path(f).name for f in files)})"
-        + (f", also logged to run {parent.info.run_id} under report/" if parent else ""),
+        + (
+            f", also logged to run {parent.info.run_id} (its description holds the table)"
+            if parent
+            else ""
+        ),  # fmt: skip
         flush=True,
     )
     return Report(parent.info.run_id if parent else None, rows, table, decision, files)
+
+
+def log_to_parent(client, run_id: str, files: list[str], note: str) -> None:
+    """The description, the table's files under report/, the plots at the root and as images."""
+    client.set_tag(run_id, NOTE_TAG, note)
+    for path in files:
+        name = Path(path).name
+        client.log_artifact(run_id, path, artifact_path=None if name in PLOTS else "report")
+        if name in IMAGE_KEYS:
+            client.log_image(run_id, _image(path), key=IMAGE_KEYS[name], step=0)
+
+
+def _image(path: str):
+    from PIL import Image  # noqa: PLC0415 -- only to log the plots (MLflow's own dependency)
+
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def tag_verdict(client, parent, decision: Verdict) -> None:
+    """sweep/* tags of the verdict; a sweep/winner left by an earlier report that no longer
+    holds is deleted, as is its metric."""
+    run_id = parent.info.run_id
+    tags = verdict_tags(decision)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    for key in WINNER_TAGS:
+        if key not in tags and key in parent.data.tags:
+            client.delete_tag(run_id, key)
+    if decision.fastest is not None:
+        client.log_metric(run_id, "sweep/winner_tokens_per_s_median", decision.fastest.tokens_per_s)
 
 
 def tracking_uri_for(arg: Optional[str]) -> str:

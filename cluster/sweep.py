@@ -14,9 +14,24 @@ Hydra's basic launcher runs the jobs one after another in this process; `SweepCa
 - one MLflow parent run per sweep; each job's run is its child (cluster/train.py reads the
   parent's id from PARENT_RUN_ENV) and is named after the job's swept values;
 - after the last job, the comparison report (cluster/report.py) is printed and logged to the
-  parent, the parent is tagged with the fastest job (sweep/winner: the job's swept values, with
-  sweep/within_noise and sweep/too_short saying how far to trust it), and the parent is ended
-  FINISHED, or FAILED if a job failed.
+  parent: its description holds the table and the verdict (the fastest only when the numbers
+  can tell it, else "no ranking: <why>"; the least memory); only a told fastest is tagged
+  sweep/winner. The parent is ended FINISHED, or FAILED if a job failed.
+
+Repeats, in rotation, so that whatever else loads the machine is spread over every strategy
+instead of landing on whichever ran at that moment:
+
+    python -m cluster.train -m sharding=full_shard,no_shard +sweep.repeats=3
+    # jobs: full_shard, no_shard, full_shard, no_shard, full_shard, no_shard
+
+`+sweep.repeats=K` runs every job K times; `+sweep.interleave=true` alone means 3 repeats.
+They run in rotation (Hydra's basic launcher runs its job list in order: the callback, before
+the sweeper reads the overrides, rewrites the first swept list `a,b` into `a,b,a,b,a,b`, whose
+product with the other swept lists is K rounds of every job); `+sweep.interleave=false` runs
+each job's repeats back to back instead (the last swept list becomes `a,a,a,b,b,b`). The
+`sweep.*` overrides are taken out of the jobs' overrides (no job sees them). The report ranks
+configurations by the median of their repeats' medians, and calls two apart only when the
+ranges of those medians do not overlap.
 
 Each job of a sweep gets its own Ray run name (`sweep_run_name`), so its checkpoints never mix
 with another job's: a job never resumes from its neighbour's checkpoint. Launching the same sweep
@@ -46,11 +61,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config import ConfigError, JobConfig, flatten
-from cluster.launch import connect_largest
+from cluster.launch import connect_for_jobs, joins_cluster
 from cluster.logs import quiet_libraries
 from cluster.preflight import checked_config, preflight
 from cluster.report import write_report
 from cluster.tracking.runs import (
+    compared_params,
     create_sweep_run,
     end_run,
     experiment_of,
@@ -64,9 +80,16 @@ PARENT_RUN_ENV = "ELASTIC_FSDP_SWEEP_PARENT_RUN_ID"
 """The sweep's parent MLflow run id, set by SweepCallback for the jobs (env: any launcher sees
 it)."""
 SWEPT_KEYS_ENV = "ELASTIC_FSDP_SWEEP_KEYS"
-SWEEP_JOBS_ENV = "ELASTIC_FSDP_SWEEP_JOBS"
 """Comma-separated keys the sweep varies; a job's run is named after its values of these."""
+SWEEP_JOBS_ENV = "ELASTIC_FSDP_SWEEP_JOBS"
+SWEEP_REPEAT_ENV = "ELASTIC_FSDP_SWEEP_REPEAT"
+"""Comma-separated, per job: which repeat of its configuration it is (from 0)."""
+SWEEP_VARIED_ENV = "ELASTIC_FSDP_SWEEP_VARIED"
+"""Comma-separated config keys (flattened) whose values differ between the jobs: MLflow params
+of every child, beside cluster/tracking/runs.py COMPARED_PARAMS."""
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+DEFAULT_REPEATS = 3
+"""Repeats of `+sweep.interleave=true` without `+sweep.repeats`."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,12 @@ class JobSlot:
     """The sweep's MLflow parent run; None when tracking is off."""
     total: Optional[int] = None
     """How many jobs the sweep has (None when its sweeper decides as it goes)."""
+    repeat: int = 0
+    """Which repeat of its configuration this job is, from 0 (+sweep.repeats)."""
+    repeated: bool = False
+    """Whether the sweep repeats its jobs: the run names then count the repeats."""
+    varied: tuple = ()
+    """The config keys whose values differ between the sweep's jobs (MLflow params)."""
 
     @property
     def name(self) -> str:
@@ -90,9 +119,16 @@ class JobSlot:
         return f"job {self.num + 1}/{self.total}" if self.total else f"job {self.num + 1}"
 
     @property
+    def run_name(self) -> str:
+        """The job's MLflow run name: its swept values, and '#2' for its second repeat."""
+        label = self.label or f"job {self.num}"
+        return f"{label} #{self.repeat + 1}" if self.repeated else label
+
+    @property
     def prefix(self) -> str:
         """What every console line of the job starts with: '[job 3/4 sharding=no_shard] '."""
-        return f"[{' '.join(p for p in (self.name, self.label) if p)}] "
+        label = self.run_name if self.label else ""
+        return f"[{' '.join(p for p in (self.name, label) if p)}] "
 
 
 def current_slot() -> Optional[JobSlot]:
@@ -102,12 +138,17 @@ def current_slot() -> Optional[JobSlot]:
         return None
     keys = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k]
     overrides = list(hydra_cfg.overrides.task)
+    num = int(hydra_cfg.job.num)
+    repeats = [int(r) for r in os.environ.get(SWEEP_REPEAT_ENV, "").split(",") if r]
     return JobSlot(
-        num=int(hydra_cfg.job.num),
+        num=num,
         sweep_dir=os.path.abspath(hydra_cfg.sweep.dir),
         label=job_label(overrides, keys),
         parent_run_id=os.environ.get(PARENT_RUN_ENV) or None,
         total=int(os.environ.get(SWEEP_JOBS_ENV) or 0) or None,
+        repeat=repeats[num] if num < len(repeats) else 0,
+        repeated=any(repeats),
+        varied=tuple(k for k in os.environ.get(SWEEP_VARIED_ENV, "").split(",") if k),
     )
 
 
@@ -123,6 +164,94 @@ def sweep_run_name(run_name: str, slot: JobSlot) -> str:
     one sweep apart (each trains from step 0, never from its neighbour's checkpoint)."""
     digest = hashlib.sha1(slot.sweep_dir.encode()).hexdigest()[:8]
     return f"{run_name}-sweep{digest}-{slot.num}"
+
+
+# ---- repeats, in rotation ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """How often each job runs (+sweep.repeats) and in which order (+sweep.interleave)."""
+
+    count: int = 1
+    interleave: bool = True
+
+    def describe(self) -> str:
+        if self.count == 1:
+            return "each job once"
+        order = "in rotation" if self.interleave else "back to back"
+        return f"each job {self.count} times, {order}"
+
+
+def repeats_of(config: DictConfig) -> Repeats:
+    """+sweep.repeats / +sweep.interleave of the command line (or a `sweep:` config section),
+    or exit 2 naming the key, the value and what is valid."""
+    count = OmegaConf.select(config, "sweep.repeats", default=None)
+    interleave = OmegaConf.select(config, "sweep.interleave", default=None)
+    if interleave is not None and not isinstance(interleave, bool):
+        _refuse("sweep.interleave", interleave, "true or false")
+    if count is None:
+        count = DEFAULT_REPEATS if interleave else 1
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        _refuse("sweep.repeats", count, "a positive integer (how often each job runs)")
+    return Repeats(count, interleave if interleave is not None else True)
+
+
+def _refuse(key: str, value: object, valid: str) -> None:
+    print(f"error: invalid config: {key}={value!r}; valid: {valid}", file=sys.stderr)
+    sys.exit(2)
+
+
+def apply_repeats(config: DictConfig, repeats: Repeats) -> None:
+    """Take the sweep.* overrides out of the jobs' overrides and, for repeats, rewrite one swept
+    list so that Hydra's basic sweeper (the product of the swept lists, the last varying
+    fastest) runs every job `repeats.count` times: the first list repeated whole for rounds of
+    every job, or each value of the last list repeated for back-to-back repeats."""
+    task = [o for o in config.hydra.overrides.task if not _is_sweep_setting(o)]
+    if repeats.count > 1:
+        task = _repeated(config, task, repeats)
+    with read_write(config), open_dict(config):
+        config.hydra.overrides.task = task
+
+
+def _is_sweep_setting(override: str) -> bool:
+    return override.lstrip("+~").split("=", 1)[0].startswith("sweep.")
+
+
+def _repeated(config: DictConfig, task: list[str], repeats: Repeats) -> list[str]:
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    if params:
+        print(
+            "error: invalid config: sweep.repeats with hydra.sweeper.params; valid: the swept "
+            "lists on the command line (sharding=a,b +sweep.repeats=3)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    swept = [i for i, o in enumerate(parser.parse_overrides(task)) if o.is_sweep_override()]
+    if not swept:
+        _refuse("sweep.repeats", repeats.count, "1 for a sweep without a swept list (a,b)")
+    at = swept[0] if repeats.interleave else swept[-1]
+    override = parser.parse_overrides([task[at]])[0]
+    values = list(override.sweep_string_iterator())
+    if repeats.interleave:
+        values = values * repeats.count
+    else:
+        values = [v for v in values for _ in range(repeats.count)]
+    task = list(task)
+    task[at] = task[at].split("=", 1)[0] + "=" + ",".join(values)
+    return task
+
+
+def repeat_indices(jobs: list[list[str]], keys: list[str]) -> list[int]:
+    """Per job, how many earlier jobs had the same swept values: its repeat, from 0."""
+    seen: dict[str, int] = {}
+    out = []
+    for overrides in jobs:
+        label = job_label(overrides, keys)
+        out.append(seen.get(label, 0))
+        seen[label] = out[-1] + 1
+    return out
 
 
 # ---- the whole sweep, before its first job ----------------------------------------------------
@@ -226,9 +355,21 @@ def check_one_tracking(cfgs: list[JobConfig]) -> None:
 
 
 def shared_params(cfgs: list[JobConfig]) -> dict[str, object]:
-    """The flattened config entries every job has in common: the parent run's params."""
-    flat = [flatten(c) for c in cfgs]
+    """The compared params (cluster/tracking/runs.py) every job has in common: the parent run's
+    params."""
+    flat = [compared_params(c) for c in cfgs]
     return {k: v for k, v in flat[0].items() if all(f.get(k) == v for f in flat[1:])}
+
+
+def varied_keys(cfgs: list[JobConfig]) -> list[str]:
+    """The flattened config keys whose values differ between the jobs (cluster.run_name always
+    does: each job has its own), in config order."""
+    flat = [flatten(c) for c in cfgs]
+    return [
+        k
+        for k, v in flat[0].items()
+        if k != "cluster.run_name" and any(f.get(k) != v for f in flat[1:])
+    ]
 
 
 def sweep_tags(config: DictConfig, cfgs: list[JobConfig], keys: list[str]) -> dict[str, str]:
@@ -263,9 +404,14 @@ class SweepCallback(Callback):
         self.expected_jobs: Optional[int] = None
         self.ended_jobs = 0
         self.failed_jobs: list[int] = []
+        self.arguments: list[str] = []
+        self.repeats = Repeats()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         launch_dir = os.getcwd()  # hydra.job.chdir is false: where the user launched
+        self.arguments = sweep_arguments(config)  # as typed, before repeats rewrite them
+        self.repeats = repeats_of(config)
+        apply_repeats(config, self.repeats)  # before the sweeper reads the overrides
         keys = swept_keys(config)
         jobs = planned_jobs(config)
         if jobs is None:
@@ -278,29 +424,41 @@ class SweepCallback(Callback):
         else:
             cfgs = checked_jobs(config, jobs, launch_dir, keys)
             self.expected_jobs = len(jobs)
+            os.environ[SWEEP_REPEAT_ENV] = ",".join(map(str, repeat_indices(jobs, keys)))
+            repeated = f", {self.repeats.describe()}" if self.repeats.count > 1 else ""
             print(
-                f"sweep: {len(jobs)} jobs checked ({', '.join(keys) or 'no key'} swept)", flush=True
+                f"sweep: {len(jobs)} jobs checked ({', '.join(keys) or 'no key'} swept{repeated})",
+                flush=True,
             )
         check_one_tracking(cfgs)
         quiet_libraries(cfgs[0].cluster.verbose)  # before the parent run: MLflow's set-up lines
-        preflight_all(cfgs)  # after every check that writes nothing: a refused sweep leaves no file
-        connect_largest(cfgs)
+        # A cluster is checked for room before anything is written; a local Ray starts after
+        # every check that writes nothing, so a refused sweep leaves no file either way.
+        joins = joins_cluster(cfgs[0].cluster)
+        if joins:
+            connect_for_jobs(cfgs)
+        preflight_all(cfgs)
+        if not joins:
+            connect_for_jobs(cfgs)
         os.environ[SWEPT_KEYS_ENV] = ",".join(keys)
         os.environ[SWEEP_JOBS_ENV] = str(self.expected_jobs or "")
+        os.environ[SWEEP_VARIED_ENV] = ",".join(varied_keys(cfgs))
         self.sweep_dir = os.path.abspath(config.hydra.sweep.dir)
         if cfgs[0].tracking.enabled:
             self.start_parent(config, cfgs, keys)
 
     def start_parent(self, config: DictConfig, cfgs: list[JobConfig], keys: list[str]) -> None:
         tracking = cfgs[0].tracking
-        name = "sweep " + (" ".join(sweep_arguments(config)) or Path(self.sweep_dir).name)
+        name = "sweep " + (" ".join(self.arguments) or Path(self.sweep_dir).name)
+        if self.repeats.count > 1:
+            name += f" x{self.repeats.count}"
         self.tracking_uri = tracking.tracking_uri
         self.parent_run_id = create_sweep_run(
             tracking.tracking_uri,
             tracking.experiment,
             name,
             shared_params(cfgs),
-            sweep_tags(config, cfgs, keys),
+            {**sweep_tags(config, cfgs, keys), "sweep.repeats": self.repeats.describe()},
         )
         os.environ[PARENT_RUN_ENV] = self.parent_run_id
         atexit.register(self.abandon)
@@ -332,8 +490,8 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self.finish()
-        os.environ.pop(SWEPT_KEYS_ENV, None)
-        os.environ.pop(SWEEP_JOBS_ENV, None)
+        for env in (SWEPT_KEYS_ENV, SWEEP_JOBS_ENV, SWEEP_REPEAT_ENV, SWEEP_VARIED_ENV):
+            os.environ.pop(env, None)
 
     def finish(self) -> None:
         """Print and log the comparison report, then end the parent run (once)."""

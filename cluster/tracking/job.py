@@ -5,8 +5,9 @@
     finish_tracking(cfg, run_id, slot, out_dir, ok)     # summary/*, the loss curve, the end
 
 `start_tracking` creates the run (cluster/tracking/runs.py) and logs the resolved config and the
-memory plan as artifacts; `finish_tracking` logs the run's summary (summary/*: medians and
-p10-p90 after the warm-up, cluster/tracking/summary.py), the loss curve, and ends the run.
+memory plan as artifacts; `finish_tracking` logs the run's summary (Summary/*: medians and
+p10-p90 after the warm-up, cluster/tracking/summary.py), the loss curve, the run's description
+(its strategy and summary figures, on the Overview page of the MLflow UI), and ends the run.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from omegaconf import OmegaConf
 from cluster.config import JobConfig
 from cluster.launch import ray_address
 from cluster.tracking.plots import plot_loss_curves
-from cluster.tracking.runs import create_run, end_run, metric_history
-from cluster.tracking.summary import RunStats, describe, run_stats
+from cluster.tracking.runs import create_run, end_run, metric_history, set_note
+from cluster.tracking.summary import SUMMARY, RunStats, describe, run_stats
 from trainer.metrics import MLflowLogger
 
 if TYPE_CHECKING:  # annotations only
@@ -34,10 +35,11 @@ if TYPE_CHECKING:  # annotations only
 def start_tracking(
     cfg: JobConfig, slot: Optional[JobSlot], out_dir: str, data: Optional[PreparedInfo] = None
 ) -> Optional[str]:
-    """The MLflow run every worker logs into: params are the resolved config, which is also an
-    artifact, with the memory plan (both written to `out_dir` too), and the prepared data's
+    """The MLflow run every worker logs into: params are what runs are compared by
+    (cluster/tracking/runs.py COMPARED_PARAMS, and the keys a sweep varies); the resolved config
+    is an artifact, with the memory plan (both written to `out_dir` too), and the prepared data's
     digest, size and skipped records. In a sweep it is a child of the parent run, named after
-    the job's swept values. None when tracking is off."""
+    the job's swept values (and its repeat). None when tracking is off."""
     if not cfg.tracking.enabled:
         return None
     uri = cfg.tracking.tracking_uri
@@ -48,8 +50,14 @@ def start_tracking(
             cfg,
             uri,
             parent_run_id=slot.parent_run_id,
-            run_name=slot.label or f"job {slot.num}",
-            tags={"sweep.job": slot.num, "sweep.dir": slot.sweep_dir},
+            run_name=slot.run_name,
+            tags={
+                "sweep.job": slot.num,
+                "sweep.dir": slot.sweep_dir,
+                "sweep.config": slot.label or f"job {slot.num}",
+                "sweep.repeat": slot.repeat,
+            },
+            params_also=slot.varied,
         )
     logger = MLflowLogger(uri, run_id)
     if data is not None:
@@ -135,8 +143,10 @@ def finish_tracking(
     """Log the run's summary and its loss curve (also of a failed run: they show what it measured
     and where it failed; the curve is written to `out_dir` too), then end the run."""
     uri = cfg.tracking.tracking_uri
+    stats = None
     try:
-        log_summary(uri, run_id)
+        stats = log_summary(uri, run_id)
+        set_note(uri, run_id, run_note(cfg, slot, stats, ok))
     except Exception as e:  # never hide the training's own outcome behind a summary error
         print(f"mlflow: summary not logged ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     try:
@@ -151,7 +161,9 @@ def finish_tracking(
                 str(path),
                 f"train/loss: {cfg.sharding.strategy} on {world} workers",
             )
-            MLflowLogger(uri, run_id).log_artifact(str(path))
+            logger = MLflowLogger(uri, run_id)
+            logger.log_artifact(str(path))
+            log_plot_image(uri, run_id, str(path), f"{SUMMARY}loss", losses[-1][0])
     except Exception as e:  # never hide the training's own outcome behind a plotting error
         print(
             f"mlflow: loss curve not logged ({type(e).__name__}: {e})", file=sys.stderr, flush=True
@@ -183,3 +195,52 @@ def log_summary(tracking_uri: str, run_id: str) -> Optional[RunStats]:
             flush=True,
         )
     return stats
+
+
+def log_plot_image(tracking_uri: str, run_id: str, png: str, key: str, step: int) -> None:
+    """A PNG as an MLflow image keyed `key`: the run's Model metrics tab shows it in the
+    section of its prefix (Summary: the first)."""
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
+    from PIL import Image  # noqa: PLC0415 -- only to log a plot (MLflow's own dependency)
+
+    with Image.open(png) as image:
+        MlflowClient(tracking_uri).log_image(run_id, image.convert("RGB"), key=key, step=step)
+
+
+def run_note(cfg: JobConfig, slot: Optional[JobSlot], stats: Optional[RunStats], ok: bool) -> str:
+    """The run's description in markdown: what it ran (strategy, workers, model, its sweep
+    job) and what it measured (the summary figures), or why there is nothing to show."""
+    lo, hi = cfg.cluster.world_sizes
+    world = str(hi) if lo == hi else f"{lo}-{hi}"
+    device = "GPU" if cfg.cluster.use_gpu else "CPU"
+    what = (
+        f"**{cfg.sharding.strategy}** on {world} {device} workers, model {cfg.model.name}, "
+        f"{cfg.sharding.param_dtype} parameters, global batch {cfg.train.global_batch_size} "
+        f"x {cfg.data.seq_len} tokens"
+    )
+    lines = [f"**{slot.label}** ({slot.name} of a sweep): " + what if slot and slot.label else what]
+    lines.append("")
+    if stats is None:
+        lines.append("No step was logged: nothing measured." + ("" if ok else " The run failed."))
+        return "\n".join(lines) + "\n"
+    t, s = stats.tokens_per_s, stats.step_ms
+    mib = 2**20
+    lines += [
+        "| tokens/s median (p10-p90) | step ms median (p10-p90) | peak MiB/rank | "
+        "MiB moved/step | final loss | steps measured |",
+        "|--:|--:|--:|--:|--:|--:|",
+        f"| {t.median:,.0f} ({t.p10:,.0f}-{t.p90:,.0f}) | {s.median:.1f} ({s.p10:.1f}-{s.p90:.1f})"
+        f" | {stats.peak_memory_bytes / mib:,.2f} | {stats.bytes_per_step / mib:,.2f} | "
+        f"{stats.final_loss:.4f} | {stats.steps_measured} after {stats.steps_warmup} warm-up |",
+        "",
+    ]
+    reason = stats.too_short()
+    if reason:
+        lines.append(f"**Too short to rank strategies**: {reason}.")
+    if not ok:
+        lines.append("**The run failed**: the figures are of the steps it logged.")
+    lines.append(
+        f"Metrics {SUMMARY}* (the first chart section); plot loss_curve.png; the whole config "
+        "resolved_config.yaml (Artifacts)."
+    )
+    return "\n".join(lines) + "\n"

@@ -66,8 +66,11 @@ def plot_bars(
     title: str,
     path: str,
     ranges: Optional[list[tuple[float, float]]] = None,
+    marked: Optional[list[bool]] = None,
+    marked_as: str = "too short to rank",
 ) -> str:
-    """One bar per run; `ranges` [(p10, p90)] draws them as error bars around each value."""
+    """One bar per run; `ranges` [(p10, p90)] draws them as error bars around each value;
+    `marked` bars are hatched, pale and named in a legend (`marked_as`)."""
     plt, fig = _figure()
     ax = fig.add_subplot()
     heights = [0.0 if math.isnan(v) else v for v in values]
@@ -83,6 +86,14 @@ def plot_bars(
         capsize=6,
         color=[f"C{i}" for i in range(len(labels))],
     )
+    if marked and any(marked):
+        for bar, mark in zip(bars, marked):
+            if mark:
+                bar.set_hatch("//")
+                bar.set_alpha(0.45)
+                bar.set_edgecolor("black")
+        first = next(b for b, mark in zip(bars, marked) if mark)
+        ax.legend([first], [f"hatched: {marked_as}"], fontsize="small", loc="lower right")
     # Inside the bar when error bars stand on its top.
     label_type = "edge" if ranges is None else "center"
     ax.bar_label(

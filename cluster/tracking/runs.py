@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 from cluster.config import JobConfig, flatten
 from cluster.tracking.source import source_tags
@@ -49,18 +49,71 @@ def resolve_tracking_uri(uri: str, base_dir: str, use_env: bool = True) -> str:
     return uri
 
 
+NOTE_TAG = "mlflow.note.content"
+"""A run's description: markdown, shown on top of the run's Overview page in the MLflow UI."""
+
+COMPARED_PARAMS = (
+    "sharding.strategy",
+    "sharding.param_dtype",
+    "sharding.reduce_dtype",
+    "sharding.activation_checkpointing",
+    "sharding.offload",
+    "model.name",
+    "model.hf_path",
+    "model.n_layers",
+    "model.dim",
+    "cluster.num_workers",
+    "cluster.min_workers",
+    "cluster.max_workers",
+    "cluster.use_gpu",
+    "train.steps",
+    "train.global_batch_size",
+    "train.micro_batches",
+    "data.source",
+    "data.kind",
+    "data.train_on",
+    "data.seq_len",
+    "data.prepared_dir",
+    "optim.lr",
+    "optim.warmup_steps",
+    "optim.weight_decay",
+)
+"""A run's MLflow params: what decides its speed, memory and loss, the columns Compare lines up
+(strategy and mixed precision, the model, the workers, the batch, the data and its window, the
+learning rate). The whole resolved config stays the artifact resolved_config.yaml; the keys a
+sweep varies are added to these (`compared_params`)."""
+
+
+def compared_params(cfg: JobConfig, also: Iterable[str] = ()) -> dict[str, object]:
+    """COMPARED_PARAMS of `cfg` and the keys `also` (a sweep's varied keys), in that order;
+    unset values (None) and data.train_on of plain text (no turns to mask) are left out."""
+    flat = flatten(cfg)
+    keys = list(COMPARED_PARAMS) + [k for k in also if k not in COMPARED_PARAMS]
+    skip = {"data.train_on"} if cfg.data.kind == "text" else set()
+    return {k: flat[k] for k in keys if k in flat and flat[k] is not None and k not in skip}
+
+
+def set_note(tracking_uri: str, run_id: str, markdown: str) -> None:
+    """The run's description (NOTE_TAG)."""
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
+
+    MlflowClient(tracking_uri).set_tag(run_id, NOTE_TAG, markdown)
+
+
 def create_run(
     cfg: JobConfig,
     tracking_uri: str,
     parent_run_id: Optional[str] = None,
     run_name: Optional[str] = None,
     tags: Optional[Mapping[str, object]] = None,
+    params_also: Iterable[str] = (),
 ) -> str:
     """Create the job's MLflow run and return its id.
 
-    Params are the flattened resolved config; tags carry the git commit, sharding strategy, world
-    size, device and where the checkpoints go, so runs of a sweep can be filtered and compared.
-    `parent_run_id` nests the run under a sweep's parent run; `tags` are added to those.
+    Params are `compared_params` (with `params_also`, the keys its sweep varies); tags carry the
+    git commit, sharding strategy, world size, device and where the checkpoints go, so runs of a
+    sweep can be filtered and compared. `parent_run_id` nests the run under a sweep's parent run;
+    `tags` are added to those.
     """
     from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
 
@@ -70,7 +123,7 @@ def create_run(
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(experiment_id, run_name=run_name or cfg.cluster.run_name, tags=all_tags)
-    MLflowLogger(tracking_uri, run.info.run_id).log_params(flatten(cfg))
+    MLflowLogger(tracking_uri, run.info.run_id).log_params(compared_params(cfg, params_also))
     return run.info.run_id
 
 

@@ -2,8 +2,12 @@
 the logged steps after a warm-up, from the run's own per-step metric history.
 
     stats = run_stats(lambda key: metric_history(uri, run_id, key))
-    stats.metrics()          # {"summary/tokens_per_s_median": ..., ...}: what finish_tracking logs
+    stats.metrics()          # {"Summary/tokens_per_s_median": ..., ...}: what finish_tracking logs
     stats.too_short()        # None, or why the run cannot rank strategies
+
+The prefix is `Summary/`, capitalised on purpose: the MLflow UI draws a run's charts in one
+section per prefix, sorted by code point, so `Summary` comes before every lower-case section of
+the loop and the engine (comm/, data/, mem/, perf/, train/), and a run's charts open on them.
 
 The same numbers feed the sweep report (cluster/report.py), so the runs table of MLflow and the
 report always agree. Nothing here imports MLflow: a history is any function of a metric key.
@@ -26,6 +30,8 @@ MIN_MEASURED_STEPS = 10
 MAX_SPREAD = 0.20
 """A step-time p10-p90 spread wider than this fraction of its median: too noisy to rank."""
 GiB, MiB = 2**30, 2**20
+SUMMARY = "Summary/"
+"""The prefix of a run's summary metrics and tags (the first chart section in the MLflow UI)."""
 
 History = Callable[[str], Sequence[tuple[int, float]]]
 """[(step, value)] of one metric key, sorted by step (cluster.tracking.runs.metric_history)."""
@@ -118,31 +124,31 @@ class RunStats:
         return None
 
     def metrics(self) -> dict[str, float]:
-        """summary/* as logged to the run; a metric the run never logged is left out."""
+        """Summary/* as logged to the run; a metric the run never logged is left out."""
         m = {}
         for name, spread in (("tokens_per_s", self.tokens_per_s), ("step_ms", self.step_ms)):
-            m[f"summary/{name}_median"] = spread.median
-            m[f"summary/{name}_p10"] = spread.p10
-            m[f"summary/{name}_p90"] = spread.p90
-        m["summary/tflops_median"] = self.tflops_per_worker.median
+            m[f"{SUMMARY}{name}_median"] = spread.median
+            m[f"{SUMMARY}{name}_p10"] = spread.p10
+            m[f"{SUMMARY}{name}_p90"] = spread.p90
+        m[f"{SUMMARY}tflops_median"] = self.tflops_per_worker.median
         if self.mfu is not None:
-            m["summary/mfu_median"] = self.mfu.median
-        m["summary/peak_memory_gib"] = self.peak_memory_bytes / GiB
-        m["summary/device_peak_memory_gib"] = self.device_peak_bytes / GiB
-        m["summary/rss_peak_gib"] = self.rss_peak_bytes / GiB
-        m["summary/bytes_per_step_mib"] = self.bytes_per_step / MiB
-        m["summary/final_loss"] = self.final_loss
-        m["summary/eval_loss"] = self.eval_loss
-        m["summary/steps_measured"] = float(self.steps_measured)
-        m["summary/steps_warmup"] = float(self.steps_warmup)
+            m[f"{SUMMARY}mfu_median"] = self.mfu.median
+        m[f"{SUMMARY}peak_memory_gib"] = self.peak_memory_bytes / GiB
+        m[f"{SUMMARY}device_peak_memory_gib"] = self.device_peak_bytes / GiB
+        m[f"{SUMMARY}rss_peak_gib"] = self.rss_peak_bytes / GiB
+        m[f"{SUMMARY}bytes_per_step_mib"] = self.bytes_per_step / MiB
+        m[f"{SUMMARY}final_loss"] = self.final_loss
+        m[f"{SUMMARY}eval_loss"] = self.eval_loss
+        m[f"{SUMMARY}steps_measured"] = float(self.steps_measured)
+        m[f"{SUMMARY}steps_warmup"] = float(self.steps_warmup)
         return {k: v for k, v in m.items() if not math.isnan(v)}
 
     def tags(self) -> dict[str, str]:
-        """summary/too_short ("true"/"false") and, when true, summary/too_short_reason."""
+        """Summary/too_short ("true"/"false") and, when true, Summary/too_short_reason."""
         reason = self.too_short()
         if reason is None:
-            return {"summary/too_short": "false"}
-        return {"summary/too_short": "true", "summary/too_short_reason": reason}
+            return {f"{SUMMARY}too_short": "false"}
+        return {f"{SUMMARY}too_short": "true", f"{SUMMARY}too_short_reason": reason}
 
 
 def run_stats(history: History) -> RunStats:

@@ -7,7 +7,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from cluster.config import JobConfig, flatten
-from cluster.tracking.runs import create_run, metric_history, resolve_tracking_uri, ui_command
+from cluster.tracking.runs import (
+    COMPARED_PARAMS,
+    create_run,
+    metric_history,
+    resolve_tracking_uri,
+    ui_command,
+)
 from trainer.metrics import (
     MAX_PARAM_VAL_LENGTH,
     MetricsLogger,
@@ -39,13 +45,20 @@ def test_mlflow_tracking_uri_in_the_environment_wins(tmp_path, monkeypatch):
     )
 
 
-def test_run_carries_the_flattened_config_as_params_and_the_job_as_tags(store):
+def test_run_params_are_the_compared_keys_and_the_job_is_in_tags(store):
+    """Params are what a user compares (COMPARED_PARAMS, set values only, and the keys a sweep
+    varies); the whole resolved config is an artifact (cluster/tracking/job.py)."""
     cfg = JobConfig()
     cfg.sharding.strategy = "SHARD_GRAD_OP"
     cfg.tracking.experiment = "params-test"
-    run_id = create_run(cfg, store)
+    run_id = create_run(cfg, store, params_also=["optim.beta2"])
     run = MlflowClient(store).get_run(run_id)
-    assert run.data.params == {k: str(v) for k, v in flatten(cfg).items()}
+    flat = flatten(cfg)
+    expected = [k for k in COMPARED_PARAMS if flat[k] is not None and k != "data.train_on"]
+    assert run.data.params == {k: str(flat[k]) for k in expected + ["optim.beta2"]}
+    assert {"sharding.strategy", "model.name", "cluster.num_workers", "train.global_batch_size",
+            "data.seq_len", "optim.lr", "sharding.param_dtype"} <= set(run.data.params)  # fmt: skip
+    assert len(run.data.params) < 30  # not the ~100 keys of the whole config
     assert run.data.tags["strategy"] == "SHARD_GRAD_OP"
     assert (run.data.tags["world_size"], run.data.tags["device"]) == ("2", "cpu")
     assert run.info.run_name == cfg.cluster.run_name
@@ -109,3 +122,12 @@ def test_ui_command_names_the_store():
         "ui --backend-store-uri sqlite:////x/mlflow.db"
     )
     assert "http://h:5000" in ui_command("http://h:5000")
+
+
+def test_summary_metrics_sort_before_every_section_of_the_loop_and_the_engine():
+    """The MLflow UI draws a run's charts in one section per prefix, sorted by code point: the
+    Summary section must come first, before comm/, data/, elastic/, eval/, mem/, perf/, train/."""
+    from cluster.tracking.summary import SUMMARY  # noqa: PLC0415 -- next to its test
+
+    sections = ["comm", "data", "elastic", "eval", "mem", "perf", "system", "train", SUMMARY[:-1]]
+    assert sorted(sections)[0] == "Summary"

@@ -1,4 +1,4 @@
-"""The summary/* metrics a run ends with (cluster/tracking/summary.py, logged by
+"""The Summary/* metrics a run ends with (cluster/tracking/summary.py, logged by
 cluster/tracking/job.py), on a real sqlite MLflow store holding a known per-step history (no
 Ray). The summaries of a real sweep's runs are checked in test_sweep.py."""
 
@@ -50,8 +50,8 @@ def log_history(store: str, step_ms: list[float], extra=None) -> str:
 
 def summary_of(store: str, run_id: str) -> tuple[dict, dict]:
     run = MlflowClient(store).get_run(run_id)
-    metrics = {k: v for k, v in run.data.metrics.items() if k.startswith("summary/")}
-    tags = {k: v for k, v in run.data.tags.items() if k.startswith("summary/")}
+    metrics = {k: v for k, v in run.data.metrics.items() if k.startswith("Summary/")}
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith("Summary/")}
     return metrics, tags
 
 
@@ -81,24 +81,24 @@ def test_a_long_steady_run_logs_medians_and_spreads_after_the_warmup(store):
     tokens = sorted(100_000 / (ms / 1000.0) for ms in step_ms[3:])
     assert metrics == pytest.approx(
         {
-            "summary/step_ms_median": 105.5,
-            "summary/step_ms_p10": 101.1,
-            "summary/step_ms_p90": 109.9,
-            "summary/tokens_per_s_median": (tokens[5] + tokens[6]) / 2,
-            "summary/tokens_per_s_p10": tokens[1] + 0.1 * (tokens[2] - tokens[1]),
-            "summary/tokens_per_s_p90": tokens[9] + 0.9 * (tokens[10] - tokens[9]),
-            "summary/tflops_median": 0.5 + 0.01 * 8.5,  # steps 3..14: median step 8.5
-            "summary/mfu_median": 0.25 + 0.01 * 8.5,
-            "summary/peak_memory_gib": 1.0 + 14 / 15,  # the max, warm-up included
-            "summary/bytes_per_step_mib": 3.0,  # the warm-up's 100 MiB left out
-            "summary/final_loss": 5.0 - 0.1 * 14,
-            "summary/eval_loss": 3.9,  # the last evaluation
-            "summary/steps_measured": 12.0,
-            "summary/steps_warmup": 3.0,
+            "Summary/step_ms_median": 105.5,
+            "Summary/step_ms_p10": 101.1,
+            "Summary/step_ms_p90": 109.9,
+            "Summary/tokens_per_s_median": (tokens[5] + tokens[6]) / 2,
+            "Summary/tokens_per_s_p10": tokens[1] + 0.1 * (tokens[2] - tokens[1]),
+            "Summary/tokens_per_s_p90": tokens[9] + 0.9 * (tokens[10] - tokens[9]),
+            "Summary/tflops_median": 0.5 + 0.01 * 8.5,  # steps 3..14: median step 8.5
+            "Summary/mfu_median": 0.25 + 0.01 * 8.5,
+            "Summary/peak_memory_gib": 1.0 + 14 / 15,  # the max, warm-up included
+            "Summary/bytes_per_step_mib": 3.0,  # the warm-up's 100 MiB left out
+            "Summary/final_loss": 5.0 - 0.1 * 14,
+            "Summary/eval_loss": 3.9,  # the last evaluation
+            "Summary/steps_measured": 12.0,
+            "Summary/steps_warmup": 3.0,
         }
     )
-    assert tags == {"summary/too_short": "false"}
-    history = MlflowClient(store).get_metric_history(run_id, "summary/step_ms_median")
+    assert tags == {"Summary/too_short": "false"}
+    history = MlflowClient(store).get_metric_history(run_id, "Summary/step_ms_median")
     assert [m.step for m in history] == [14]  # one value, at the run's last step
 
 
@@ -106,19 +106,19 @@ def test_a_run_without_mfu_or_eval_logs_neither(store):
     run_id = log_history(store, [100.0] * 12)
     log_summary(store, run_id)
     metrics, _ = summary_of(store, run_id)
-    assert "summary/mfu_median" not in metrics and "summary/eval_loss" not in metrics
-    assert "summary/device_peak_memory_gib" not in metrics  # a CPU run: no device memory
-    assert metrics["summary/step_ms_median"] == 100.0
+    assert "Summary/mfu_median" not in metrics and "Summary/eval_loss" not in metrics
+    assert "Summary/device_peak_memory_gib" not in metrics  # a CPU run: no device memory
+    assert metrics["Summary/step_ms_median"] == 100.0
 
 
 def test_a_short_run_is_tagged_too_short_with_a_warning(store, capsys):
     run_id = log_history(store, [900.0, 800.0, 100.0, 100.0, 100.0])
     log_summary(store, run_id)
     metrics, tags = summary_of(store, run_id)
-    assert (metrics["summary/steps_warmup"], metrics["summary/steps_measured"]) == (2.0, 3.0)
-    assert metrics["summary/step_ms_median"] == 100.0  # the two slow ones were the warm-up
-    assert tags["summary/too_short"] == "true"
-    assert tags["summary/too_short_reason"] == (
+    assert (metrics["Summary/steps_warmup"], metrics["Summary/steps_measured"]) == (2.0, 3.0)
+    assert metrics["Summary/step_ms_median"] == 100.0  # the two slow ones were the warm-up
+    assert tags["Summary/too_short"] == "true"
+    assert tags["Summary/too_short_reason"] == (
         f"3 steps measured after 2 warm-up, fewer than {MIN_MEASURED_STEPS}"
     )
     assert "too short or too noisy to rank strategies" in capsys.readouterr().err
@@ -128,9 +128,9 @@ def test_a_noisy_run_is_tagged_too_short_naming_its_spread(store, capsys):
     run_id = log_history(store, [100.0, 200.0] * 10)  # p10 100, p90 200: 100% of the median
     log_summary(store, run_id)
     metrics, tags = summary_of(store, run_id)
-    assert metrics["summary/steps_measured"] == 17.0
-    assert tags["summary/too_short"] == "true"
-    assert f"more than {MAX_SPREAD:.0%}" in tags["summary/too_short_reason"]
+    assert metrics["Summary/steps_measured"] == 17.0
+    assert tags["Summary/too_short"] == "true"
+    assert f"more than {MAX_SPREAD:.0%}" in tags["Summary/too_short_reason"]
     assert "too short or too noisy" in capsys.readouterr().err
 
 
@@ -138,9 +138,9 @@ def test_a_single_step_is_measured_not_left_out_as_warmup(store):
     run_id = log_history(store, [250.0])
     log_summary(store, run_id)
     metrics, tags = summary_of(store, run_id)
-    assert metrics["summary/steps_measured"] == 1.0 and metrics["summary/steps_warmup"] == 0.0
-    assert metrics["summary/step_ms_median"] == metrics["summary/step_ms_p90"] == 250.0
-    assert tags["summary/too_short"] == "true"
+    assert metrics["Summary/steps_measured"] == 1.0 and metrics["Summary/steps_warmup"] == 0.0
+    assert metrics["Summary/step_ms_median"] == metrics["Summary/step_ms_p90"] == 250.0
+    assert tags["Summary/too_short"] == "true"
 
 
 def test_a_run_that_logged_no_step_gets_no_summary(store):
@@ -156,5 +156,5 @@ def test_finish_tracking_logs_the_summary_before_it_ends_the_run(store, tmp_path
     finish_tracking(cfg, run_id, None, str(tmp_path), ok=True)
     run = MlflowClient(store).get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["summary/steps_measured"] == 10.0
-    assert run.data.tags["summary/too_short"] == "false"
+    assert run.data.metrics["Summary/steps_measured"] == 10.0
+    assert run.data.tags["Summary/too_short"] == "false"

@@ -16,13 +16,17 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from cluster.config import JobConfig, flatten, job_from_dict
-from cluster.report import REPORT_FILES
+from cluster.config import JobConfig, job_from_dict, register_schemas
+from cluster.report import REPORT_ARTIFACTS
+from cluster.sweep import Repeats, apply_repeats, planned_jobs, repeat_indices
 from cluster.tracking.plots import PLOT_SIZE_PX
-from cluster.tracking.runs import create_run
+from cluster.tracking.runs import NOTE_TAG, compared_params, create_run
 from cluster.tracking.source import git_commit
 from tests.cluster.conftest import REPO, CliResult, run_cli
 from trainer.metrics import MLflowLogger, last_logged_steps, start_system_metrics
@@ -138,8 +142,10 @@ def test_each_childs_params_are_its_resolved_config(sweep, tmp_path):
             child.info.run_id, "resolved_config.yaml", str(tmp_path / strategy)
         )
         resolved = job_from_dict(OmegaConf.to_container(OmegaConf.load(local)))
-        assert child.data.params == {k: str(v) for k, v in flatten(resolved).items()}
         params = child.data.params
+        # the params are what runs are compared by (and what the sweep varies), not all ~100 keys
+        compared = {k: str(v) for k, v in compared_params(resolved).items()}
+        assert compared.items() <= params.items() and len(params) <= len(compared) + 2
         assert params["sharding.strategy"] == strategy.upper()
         assert (params["model.n_layers"], params["model.dim"], params["train.steps"]) == (
             "2",
@@ -167,46 +173,58 @@ def test_every_metric_has_one_value_per_logged_step(sweep):
         assert child.data.metrics["elastic/world_size"] == 2.0
 
 
-def test_each_child_ends_with_its_summary_and_the_parent_names_the_fastest(sweep):
-    """finish_tracking logs summary/* from the run's own history; 3 logged steps leave 1 out as
-    warm-up, 2 measured: too short to rank, tagged so. The parent's sweep/winner is the child with
-    the highest median tokens/s."""
+def test_each_child_ends_with_its_summary_and_too_short_runs_name_no_winner(sweep):
+    """finish_tracking logs Summary/* from the run's own history; 3 logged steps leave 1 out as
+    warm-up, 2 measured: too short to rank, tagged so. So the report names no fastest, and the
+    parent gets no sweep/winner."""
     _, output, client, runs = sweep
     (parent,), children = parent_and_children(runs)
-    medians = {}
     for child in children:
         run_id, metrics = child.info.run_id, child.data.metrics
         assert {
-            "summary/tokens_per_s_median",
-            "summary/tokens_per_s_p10",
-            "summary/tokens_per_s_p90",
-            "summary/step_ms_median",
-            "summary/step_ms_p10",
-            "summary/step_ms_p90",
-            "summary/tflops_median",
-            "summary/peak_memory_gib",
-            "summary/bytes_per_step_mib",
-            "summary/final_loss",
+            "Summary/tokens_per_s_median",
+            "Summary/tokens_per_s_p10",
+            "Summary/tokens_per_s_p90",
+            "Summary/step_ms_median",
+            "Summary/step_ms_p10",
+            "Summary/step_ms_p90",
+            "Summary/tflops_median",
+            "Summary/peak_memory_gib",
+            "Summary/bytes_per_step_mib",
+            "Summary/final_loss",
         } <= set(metrics), sorted(metrics)
-        assert (metrics["summary/steps_warmup"], metrics["summary/steps_measured"]) == (1.0, 2.0)
+        assert (metrics["Summary/steps_warmup"], metrics["Summary/steps_measured"]) == (1.0, 2.0)
         tokens = [
             m.value
             for m in sorted(
                 client.get_metric_history(run_id, "perf/tokens_per_s"), key=lambda m: m.step
             )
         ]
-        assert metrics["summary/tokens_per_s_median"] == pytest.approx(sum(tokens[1:]) / 2)
-        assert metrics["summary/final_loss"] == metrics["train/loss"]
-        assert metrics["summary/peak_memory_gib"] * 2**30 == pytest.approx(
+        assert metrics["Summary/tokens_per_s_median"] == pytest.approx(sum(tokens[1:]) / 2)
+        assert metrics["Summary/final_loss"] == metrics["train/loss"]
+        assert metrics["Summary/peak_memory_gib"] * 2**30 == pytest.approx(
             max(m.value for m in client.get_metric_history(run_id, "mem/peak_total_bytes"))
         )
-        assert child.data.tags["summary/too_short"] == "true"
-        medians[child.info.run_name] = metrics["summary/tokens_per_s_median"]
+        assert child.data.tags["Summary/too_short"] == "true"
     tags = client.get_run(parent.info.run_id).data.tags  # tagged after the fixture's search
-    assert tags["sweep/winner"] == max(medians, key=medians.get)
+    assert "sweep/winner" not in tags
+    assert tags["sweep/verdict"].startswith("no ranking: 3 runs are too short")
     assert tags["sweep/too_short"] == "true"
     assert "too short or too noisy to rank strategies" in output
-    assert "fastest: " in output
+    assert "no ranking: 3 runs are too short" in output and "fastest:" not in output
+
+
+def test_each_childs_description_names_its_strategy_and_its_figures(sweep):
+    _, _, client, runs = sweep
+    _, children = parent_and_children(runs)
+    for child, strategy in zip(children, STRATEGIES):
+        note = child.data.tags[NOTE_TAG]
+        assert note.startswith(f"**sharding={strategy}** (job ")
+        assert f"**{strategy.upper()}** on 2 CPU workers, model tiny" in note
+        assert "| tokens/s median (p10-p90) | step ms median (p10-p90) | peak MiB/rank |" in note
+        median = child.data.metrics["Summary/tokens_per_s_median"]
+        assert f"| {median:,.0f} (" in note
+        assert "**Too short to rank strategies**: 2 steps measured" in note
 
 
 def test_children_carry_git_commit_device_and_their_artifacts(sweep):
@@ -227,8 +245,13 @@ def test_sweep_ends_with_the_comparison_logged_to_the_parent(sweep):
     assert "tokens/s" in output and "peak mem MiB" in output
     for strategy in STRATEGIES:
         assert f"sharding={strategy}" in output
-    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
-    assert logged == {f"report/{name}" for name in REPORT_FILES}
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    logged |= {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert set(REPORT_ARTIFACTS) <= logged  # the plots at the root, the table under report/
+    note = client.get_run(parent.info.run_id).data.tags[NOTE_TAG]  # the Overview's description
+    assert note.startswith("**no ranking (3 of 3 runs too short or noisy) · least memory: ")
+    for strategy in STRATEGIES:
+        assert f"\n| sharding={strategy} | {strategy.upper()} | 2 | " in note
     assert (launch_dir / "shared/sweep/report/loss_vs_step.png").is_file()  # under hydra.sweep.dir
     assert (launch_dir / "shared/sweep/multirun.yaml").is_file()
 
@@ -302,6 +325,45 @@ def test_a_bad_value_in_a_later_job_fails_before_the_first_job_starts(launch_dir
     assert "\tshard_grad_op" in out
     assert "3 of 4 jobs are invalid" in out
     assert not (launch_dir / "multirun").exists()  # refused before Hydra's sweeper made its folder
+
+
+def test_a_bad_repeat_count_fails_before_anything_starts_naming_the_key(launch_dir):
+    result = run_train(
+        launch_dir, "-m", "sharding=full_shard,no_shard", "+sweep.repeats=0", timeout=120
+    )
+    assert_nothing_started(result, launch_dir)
+    assert "invalid config: sweep.repeats=0; valid: a positive integer" in result.output
+
+
+def test_repeats_run_every_job_in_rotation_and_interleave_false_back_to_back():
+    """What Hydra's basic sweeper will launch after the callback's rewrite (no Ray: the jobs'
+    overrides only)."""
+
+    def jobs(*overrides: str, repeats: Repeats) -> list[list[str]]:
+        loader = GlobalHydra.instance().config_loader()
+        config = loader.load_configuration("config", list(overrides), RunMode.MULTIRUN)
+        apply_repeats(config, repeats)
+        return [[o for o in job if "=" in o and o.split("=")[0] in ("sharding", "train.steps")]
+                for job in planned_jobs(config)]  # fmt: skip
+
+    register_schemas()  # as cluster/train.py does: the model presets and the job schema
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        rotated = jobs("sharding=full_shard,no_shard", "train.steps=5", repeats=Repeats(3))
+        assert [j[0] for j in rotated] == ["sharding=full_shard", "sharding=no_shard"] * 3
+        assert repeat_indices(rotated, ["sharding"]) == [0, 0, 1, 1, 2, 2]
+        blocked = jobs("sharding=full_shard,no_shard", repeats=Repeats(2, interleave=False))
+        assert [j[0] for j in blocked] == ["sharding=full_shard"] * 2 + ["sharding=no_shard"] * 2
+        two_keys = jobs("sharding=full_shard,no_shard", "train.steps=3,4", repeats=Repeats(2))
+        assert (
+            two_keys
+            == [
+                ["sharding=full_shard", "train.steps=3"],
+                ["sharding=full_shard", "train.steps=4"],
+                ["sharding=no_shard", "train.steps=3"],
+                ["sharding=no_shard", "train.steps=4"],
+            ]
+            * 2
+        )  # rounds of every job
 
 
 def test_sweeping_the_experiment_is_refused_one_parent_per_sweep(launch_dir):
