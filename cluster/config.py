@@ -128,7 +128,11 @@ class ClusterConfig:
     a holder you know is gone: two live launches of one name write into each other's run."""
     lease_ttl_s: float = 120.0
     """The run lease expires this long after its holder's last heartbeat (every ttl / 4): a
-    crashed driver's run can be resumed by a new launch after at most this long."""
+    crashed driver's run can be resumed by a new launch after at most this long (at once when
+    the holder is known dead: its pid gone on this host, or its Ray job finished)."""
+    wait_for_lease_s: float = 0.0
+    """A launch whose run name is held by a live launch waits up to this long for it to end
+    (schedulers that retry, a RayJob resubmitting) instead of failing at once; 0: no wait."""
     verbose: bool = False
     """Also print the libraries' INFO chatter (cluster/logs.py): Ray Train's lines (a line per
     report per rank, the worker group's start), Ray's token-auth note, MLflow's system-metrics
@@ -173,6 +177,8 @@ class ClusterConfig:
             fail("cluster.storage_path", self.storage_path, "a local path or a pyarrow.fs URI")
         check_run_name(self.run_name)
         check_positive("cluster.lease_ttl_s", self.lease_ttl_s, "a positive number of seconds")
+        if not (math.isfinite(self.wait_for_lease_s) and self.wait_for_lease_s >= 0):
+            fail("cluster.wait_for_lease_s", self.wait_for_lease_s, "seconds >= 0 (0: no wait)")
         timeout = self.drain_on_grow_timeout_s
         if not (math.isfinite(timeout) and timeout >= 0):
             fail(

@@ -44,7 +44,7 @@ from cluster.launch import build_trainer, connect_for_jobs, joins_cluster, ray_j
 from cluster.logs import quiet_libraries, tee_to_job_log, wait_for_workers_output
 from cluster.preflight import checked_config, preflight
 from cluster.run.fatal import fatal_error
-from cluster.run.lease import LeaseHeld, LeaseLost, RunLease
+from cluster.run.lease import LeaseHeld, LeaseLost, RunLease, ray_identity
 from cluster.run.ray_checkpoint import read_pointer
 from cluster.sweep import JobSlot, current_slot, sweep_run_name
 from cluster.tracking.job import data_metrics, finish_tracking, start_tracking
@@ -93,6 +93,7 @@ def run_job(dictcfg: DictConfig, slot: Optional[JobSlot]) -> Optional[dict]:
         if not joins:  # a local Ray: started once the cheap checks passed (it takes seconds)
             connect_for_jobs([cfg])
             startup.done("Ray")
+        lease.renew(**ray_identity())  # a relaunch can ask Ray whether this driver still lives
         data = prepare(cfg, plan)  # once; on Ray Data for large sources
         startup.done("data")
         run_id = tracking.run_id()
@@ -199,6 +200,7 @@ def lease_or_exit(cfg: JobConfig) -> RunLease:
             run_folder(cfg.cluster.storage_path, cfg.cluster.run_name),
             takeover=cfg.cluster.takeover,
             ttl_s=cfg.cluster.lease_ttl_s,
+            wait_s=cfg.cluster.wait_for_lease_s,
         )
     except (LeaseHeld, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,9 +14,12 @@ needs a compare-and-swap: only the holder rewrites its own file (the heartbeat, 
 and a newer generation appearing tells it that it lost the lease.
 
 A launch may take the lease when the holder released it (its run ended), when its heartbeat is
-older than the ttl (the holder is gone: a crashed driver), or when the user says so
-(cluster.takeover=true). A live holder refuses everyone else. Heartbeats compare the writer's
-clock with the reader's: hosts are assumed to agree within a fraction of the ttl.
+older than the ttl (the holder is gone: a crashed driver), when the holder is known dead though
+its heartbeat is recent (its pid is gone on this very host, or the Ray cluster this launch joined
+reports the holder's Ray job finished: a head pod restarted, a RayJob retrying its submitter), or
+when the user says so (cluster.takeover=true). A live holder refuses everyone else, or is waited
+for (cluster.wait_for_lease_s, for schedulers that retry). Heartbeats compare the writer's clock
+with the reader's: hosts are assumed to agree within a fraction of the ttl.
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ class Holder:
     released: bool = False
     mlflow_run_id: Optional[str] = None
     job_id: Optional[str] = None  # Ray job submission id, when sent with `ray job submit`
+    pid_start: Optional[int] = None
+    """The holder process's start time (/proc/<pid>/stat, clock ticks since boot): a pid that a
+    new process reused is not the holder."""
+    ray_job_id: Optional[str] = None
+    """The Ray job (hex id) of the holder's driver once it joined Ray: a cluster reports it dead
+    when the driver died."""
+    ray_cluster: Optional[str] = None
+    """`<GCS address>|<session name>` of the Ray that job ran on: job ids count from 1 in every
+    cluster, so only the same cluster's job table can speak of it."""
 
     def expired(self, now: float) -> bool:
         return now - self.heartbeat_unix > self.ttl_s
@@ -103,8 +115,12 @@ class RunLease:
         takeover: bool = False,
         ttl_s: float = 120.0,
         launch_id: Optional[str] = None,
+        wait_s: float = 0.0,
+        log_to=print,
     ) -> "RunLease":
-        """Take the run's lease or raise LeaseHeld naming the live holder."""
+        """Take the run's lease or raise LeaseHeld naming the live holder (after waiting up to
+        `wait_s` for it to end). A holder known dead is taken over at once, and `log_to` says
+        so."""
         folder = storage.resolve(run_dir).child(LEASE_DIR)
         if folder.is_local:
             os.makedirs(folder.path, exist_ok=True)
@@ -117,12 +133,17 @@ class RunLease:
             heartbeat_unix=now,
             ttl_s=ttl_s,
             job_id=os.environ.get("RAY_JOB_SUBMISSION_ID"),
+            pid_start=process_start(os.getpid()),
         )
-        gen, current = _newest(folder)
+        gen, current = _wait_for_holder(folder, wait_s, log_to)
+        now = time.time()
         if current is not None and not current.released and not current.expired(now):
-            if not takeover:
+            if takeover:
+                log.warning("run lease: taking over from live %s", current.describe(now))
+            elif gone := holder_gone(current):
+                log_to(f"run lease: taking over from {current.describe(now)}: {gone}")
+            else:
                 raise LeaseHeld(_held_message(run_dir, current, now))
-            log.warning("run lease: taking over from live %s", current.describe(now))
         if not _create(_gen_file(folder, gen + 1), _encode(me)):
             _, winner = _newest(folder)
             who = winner.describe(time.time()) if winner else "another launch"
@@ -185,6 +206,111 @@ class RunLease:
                     storage.delete_file(self.folder.child(name))
                 except OSError:
                     pass
+
+
+def _live(h: Optional[Holder], now: float) -> bool:
+    return h is not None and not h.released and not h.expired(now) and not holder_gone(h)
+
+
+def _wait_for_holder(folder: Location, wait_s: float, log_to) -> tuple[int, Optional[Holder]]:
+    """The newest generation and its holder, once that holder is no longer live or `wait_s`
+    has passed (a file on storage has no event to wait on: polled every few seconds)."""
+    gen, current = _newest(folder)
+    deadline = time.time() + wait_s
+    if wait_s > 0 and _live(current, time.time()):
+        log_to(
+            f"run lease: held by {current.describe(time.time())}; waiting up to {wait_s:.0f} s "
+            "for it to end (cluster.wait_for_lease_s)"
+        )
+    while wait_s > 0 and _live(current, time.time()) and time.time() < deadline:
+        time.sleep(min(2.0, current.ttl_s / 8, max(0.0, deadline - time.time())))
+        gen, current = _newest(folder)
+    return gen, current
+
+
+def process_start(pid: int) -> Optional[int]:
+    """Start time of process `pid` in clock ticks since boot (/proc/<pid>/stat field 22); None
+    where /proc does not say (not Linux, or no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])  # fields after the command's ")"
+
+
+def holder_gone(h: Holder) -> Optional[str]:
+    """Why a holder whose heartbeat is still recent is known dead, or None when it may live:
+    its process is gone on this very host (or its pid now names a younger process), or the Ray
+    cluster this process joined reports the holder's driver job finished."""
+    if h.host == socket.gethostname() and h.pid > 0 and h.launch_id != UNREADABLE:
+        start = process_start(h.pid)
+        if not _pid_exists(h.pid):
+            return f"its process {h.pid} on this host is gone"
+        if h.pid_start is not None and start is not None and start != h.pid_start:
+            return f"its process {h.pid} on this host is gone (the pid names another process now)"
+    if h.ray_job_id and h.ray_cluster:
+        return _ray_job_gone(h.ray_job_id, h.ray_cluster)
+    return None
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def ray_identity() -> dict:
+    """This driver's Ray job and cluster, for its lease (`renew(**ray_identity())`); {} when not
+    connected to Ray."""
+    import ray  # noqa: PLC0415 -- called once connected: imported already
+
+    if not ray.is_initialized():
+        return {}
+    cluster = _connected_cluster()
+    job = ray.get_runtime_context().get_job_id()
+    return {"ray_job_id": job, "ray_cluster": cluster} if cluster else {}
+
+
+def _connected_cluster() -> Optional[str]:
+    """`<GCS address>|<session name>` of the Ray this process is connected to, or None."""
+    import ray  # noqa: PLC0415 -- only once connected
+
+    try:
+        address = ray.get_runtime_context().gcs_address
+        session = ray._private.worker.global_worker.node.session_name  # no public accessor
+    except Exception:  # a Ray Client connection: no node of its own
+        return None
+    return f"{address}|{session}" if address and session else None
+
+
+def _ray_job_gone(job_id: str, cluster: str) -> Optional[str]:
+    """Why the holder's driver job is known gone, from the Ray this process joined: that
+    cluster restarted since (same GCS address, another session), or its job table says the job
+    is dead. None when this process is not on that cluster, or the table does not say."""
+    import ray  # noqa: PLC0415 -- only when a holder recorded a Ray job
+
+    if not ray.is_initialized():
+        return None
+    here = _connected_cluster()
+    if here is None or here.split("|")[0] != cluster.split("|")[0]:
+        return None  # another cluster's job ids mean nothing here
+    if here != cluster:
+        return f"its Ray cluster at {cluster.split('|')[0]} restarted since (its job is gone)"
+    try:
+        from ray._private.state import state  # noqa: PLC0415 -- the GCS job table (no public API)
+
+        jobs = state.job_table()
+    except Exception as e:  # say nothing rather than guess
+        log.debug("run lease: cannot read Ray's job table: %s", e)
+        return None
+    if any(j.get("JobID") == job_id and j.get("IsDead") for j in jobs):
+        return f"Ray reports its driver's job {job_id} finished"
+    return None
 
 
 class LeaseGuard:

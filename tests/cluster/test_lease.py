@@ -4,6 +4,8 @@ expired lease passes on; a takeover is noticed by the holder it displaced."""
 
 import json
 import multiprocessing as mp
+import os
+import signal
 import time
 import types
 
@@ -18,24 +20,28 @@ LOCAL_RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60"}
 test run gets Ray's usual minute to start its workers."""
 
 
-def _contend(run_dir: str, start, results, i: int) -> None:
+def _contend(run_dir: str, start, results, done, i: int) -> None:
     start.wait()
     try:
         lease = RunLease.acquire(run_dir, launch_id=f"launch-{i}")
         results.put((i, "won", lease.holder.launch_id))
     except LeaseHeld as e:
         results.put((i, "refused", str(e)))
+    done.wait(60)  # alive until every launch has tried: a dead winner is rightly taken over
 
 
 def _race(run_dir: str, n: int) -> list:
     """n processes, released together, each trying to take the lease of one run folder."""
     ctx = mp.get_context("fork")
-    start, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_contend, args=(run_dir, start, results, i)) for i in range(n)]
+    start, results, done = ctx.Event(), ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=_contend, args=(run_dir, start, results, done, i)) for i in range(n)
+    ]
     for p in procs:
         p.start()
     start.set()
     out = sorted(results.get(timeout=60) for _ in procs)
+    done.set()
     for p in procs:
         p.join(timeout=30)
     return out
@@ -103,6 +109,66 @@ def test_a_takeover_is_noticed_by_the_displaced_holder(tmp_path):
         first.renew()
     first.release()  # says nothing to storage: the lease is not its own any more
     with pytest.raises(LeaseHeld, match="held by launch second"):
+        RunLease.acquire(run, launch_id="third")
+
+
+def _hold_then_die(run_dir: str, held, release_now, die: bool) -> None:
+    lease = RunLease.acquire(run_dir, launch_id="holder")
+    held.set()
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)  # a driver SIGKILLed: no release, a fresh heartbeat
+    release_now.wait(60)
+    lease.release()
+
+
+def _holder(run_dir: str, die: bool):
+    ctx = mp.get_context("fork")
+    held, release_now = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold_then_die, args=(run_dir, held, release_now, die))
+    proc.start()
+    assert held.wait(30)
+    return proc, release_now
+
+
+def test_a_holder_whose_process_is_gone_on_this_host_is_taken_over_at_once(tmp_path):
+    run = str(tmp_path / "run")
+    proc, _ = _holder(run, die=True)
+    proc.join(30)
+    said = []
+    started = time.monotonic()
+    second = RunLease.acquire(run, launch_id="relaunch", log_to=said.append)
+    assert time.monotonic() - started < 5  # not the ttl (120 s)
+    assert second.previous.launch_id == "holder" and not second.previous.released
+    assert not second.previous.expired(time.time())  # its heartbeat was recent
+    assert said and f"its process {proc.pid} on this host is gone" in said[0], said
+
+
+def test_a_pid_that_names_another_process_now_is_not_the_holder(tmp_path):
+    run = str(tmp_path / "run")
+    first = RunLease.acquire(run, launch_id="first")
+    _rewrite(first, pid_start=(first.holder.pid_start or 0) + 1)  # this pid, another start time
+    said = []
+    RunLease.acquire(run, launch_id="second", log_to=said.append)
+    assert "names another process now" in said[0], said
+
+
+def test_a_relaunch_may_wait_for_a_live_holder_to_end(tmp_path):
+    run = str(tmp_path / "run")
+    proc, release_now = _holder(run, die=False)
+    said = []
+
+    def log_to(line):  # the holder ends once the relaunch is seen waiting for it
+        said.append(line)
+        release_now.set()
+
+    try:
+        second = RunLease.acquire(run, launch_id="relaunch", wait_s=60, log_to=log_to)
+    finally:
+        release_now.set()
+        proc.join(30)
+    assert "waiting up to 60 s" in said[0] and second.previous.released
+    # Without a wait, a live holder still refuses.
+    with pytest.raises(LeaseHeld, match="held by launch relaunch"):
         RunLease.acquire(run, launch_id="third")
 
 

@@ -119,6 +119,10 @@ class Plan:
     template: Optional[chatlib.ChatTemplate] = None
     """The chat template: data.kind=chat always; text when one is known (for the export)."""
     eot_token: Optional[str] = None
+    prepared: Optional["PreparedInfo"] = None
+    """What `prepare` made of this plan in this process: a second `prepare` of the same plan (the
+    driver's preflight prepared small data, the launch asks again) returns it as it was, `created`
+    included, without reading the storage again."""
 
     @property
     def is_chat(self) -> bool:
@@ -604,6 +608,8 @@ def prepare(
 ) -> PreparedInfo:
     """Prepare `cfg`'s sources once: nothing is done when the same preparation is complete."""
     plan = plan or plan_preparation(cfg)
+    if plan.prepared is not None:
+        return plan.prepared
     manifest = find_prepared(plan)
     created = manifest is None
     if manifest is None:
@@ -626,6 +632,7 @@ def prepare(
             "prepare: records skipped: "
             + ", ".join(f"{k} {v:,}" for k, v in sorted(info.skipped.items()))
         )
+    plan.prepared = info
     return info
 
 
