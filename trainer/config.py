@@ -41,7 +41,7 @@ class ModelConfig:
     """Shape of the Llama-style decoder (trainer/model.py). The defaults are the `tiny` preset."""
 
     name: str = "tiny"
-    """Preset name, for the record (tiny, 125m, 1b, 8b, hf)."""
+    """Preset name, for the record (tiny, 125m, 1b, 8b, 70b, hf)."""
     family: str = "llama"
     """The decoder family, as Hugging Face names it: llama, qwen2 (Qwen2/2.5: biases on the
     query, key and value projections), qwen3 (RMSNorm on each query and key head) or mistral
@@ -178,6 +178,18 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
+    # Llama 3 70B shapes (70.6B parameters): `python -m cluster.plan model=70b` before renting.
+    "70b": ModelConfig(
+        name="70b",
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
     # A Hugging Face Llama checkpoint: model=hf model.hf_path=... (the shape is its config.json's).
     "hf": ModelConfig(name="hf", hf_path=""),
 }
@@ -221,6 +233,9 @@ class OptimConfig:
     """AdamW's denominator epsilon."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables clipping (the norm is still computed)."""
+    state_dtype: str = "float32"
+    """AdamW's two moments: float32 (8 bytes a parameter) or bfloat16 (4 bytes; the update is
+    still computed in fp32)."""
 
     def validate(self) -> None:
         """Every number finite: a NaN passes any `x < 0` check, and an infinite or NaN learning
@@ -241,6 +256,11 @@ class OptimConfig:
             fail("optim.eps", self.eps, "a finite positive number (AdamW divides by it)")
         if not _finite(self.grad_clip) or self.grad_clip < 0:
             fail("optim.grad_clip", self.grad_clip, "a finite number >= 0 (0 disables clipping)")
+        if self.state_dtype not in STATE_DTYPES:
+            fail("optim.state_dtype", self.state_dtype, " or ".join(STATE_DTYPES))
+
+
+STATE_DTYPES = ("float32", "bfloat16")
 
 
 def _finite(x) -> bool:
@@ -393,6 +413,9 @@ class DataConfig:
         return [SourceConfig(self.source, 1.0, self.format, self.text_column)]
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
 @dataclass
 class TrainConfig:
     """The loop: steps, the global batch, checkpoints and logging."""
@@ -430,6 +453,17 @@ class TrainConfig:
     and logged to MLflow as samples/step_N.txt (0 = none)."""
     sample_tokens: int = 48
     """New tokens generated per sample prompt (fewer if it ends its turn)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (the engine's hooks and collectives stay
+    outside the compiled regions, so the next unit's all-gather still overlaps the block)."""
+    loss_chunk_tokens: Optional[int] = None
+    """Output projection + cross-entropy over chunks of this many tokens, each chunk's gradient
+    computed at once, so the full [tokens, vocab] fp32 logits never exist. null: on (at a size
+    chosen for the vocabulary) when the vocabulary is large; 0: off (the plain loss)."""
+    float8: bool = False
+    """torchao's Float8 linear layers inside the blocks (CUDA, sm_89 or newer)."""
+    float8_recipe: str = "tensorwise"
+    """Float8 scaling: tensorwise or rowwise."""
     max_bad_steps: int = 3
     """A step whose loss or gradient norm is not finite (all ranks agree) is not applied; this
     many in a row stop the run with an error naming the step (a checkpoint holding a non-finite
@@ -460,6 +494,16 @@ class TrainConfig:
                 fail(f"train.{key}", v, "an integer >= 0")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("train.device", self.device, "auto, cpu or cuda")
+        if self.loss_chunk_tokens is not None and (
+            not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0
+        ):
+            fail(
+                "train.loss_chunk_tokens",
+                self.loss_chunk_tokens,
+                "null (on for large vocabularies), 0 (off) or a positive number of tokens",
+            )
+        if self.float8_recipe not in FLOAT8_RECIPES:
+            fail("train.float8_recipe", self.float8_recipe, " or ".join(FLOAT8_RECIPES))
 
     def snapshots_on(self, gpu_workers: bool) -> bool:
         """Whether in-memory snapshots are taken (where a launcher offers somewhere to keep

@@ -62,6 +62,7 @@ class Offload(NamedEnum):
 
     none = "none"
     optimizer = "optimizer"  # fp32 master shard, gradient shard and AdamW state; step on the host
+    params = "params"  # and the compute-dtype shard too: copied to the device before its gather
 
 
 class DType(NamedEnum):
@@ -117,6 +118,9 @@ class ShardingConfig:
     compute-dtype copy of its shard (2 bytes per parameter / N in bf16 instead of 16). Each
     reduced gradient shard is copied to the host as it is ready, overlapping the rest of
     backward."""
+    master_dtype: DType = DType.float32
+    """The sharded master parameters the optimizer updates: float32, or bfloat16 (2 bytes a
+    parameter instead of 4, updates rounded so that small ones are not lost)."""
     hybrid_shard_group_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
     trace: bool = False
@@ -126,13 +130,15 @@ class ShardingConfig:
         # Strings (YAML, tests, `cfg.sharding.strategy = "NO_SHARD"`) become enums as they enter.
         if name == "strategy":
             value = ShardingStrategy.parse(value, "sharding.strategy")
-        elif name in ("param_dtype", "reduce_dtype"):
+        elif name in ("param_dtype", "reduce_dtype", "master_dtype"):
             value = DType.parse(value, f"sharding.{name}")
         elif name == "offload":
             value = Offload.parse(value, "sharding.offload")
         object.__setattr__(self, name, value)
 
     def validate(self) -> None:
+        if self.master_dtype is DType.float16:
+            fail("sharding.master_dtype", self.master_dtype, "float32 or bfloat16")
         for key in ("max_gathers_in_flight", "max_reductions_in_flight"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
