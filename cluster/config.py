@@ -109,6 +109,10 @@ class ClusterConfig:
     long for it (a step and a checkpoint), then grows it anyway. Ray's controller does nothing
     else meanwhile: a group that dies during the drain is restarted only after this long.
     0: no drain on grow."""
+    grow_settle_s: float = 5.0
+    """Before Ray grows a running elastic group, wait up to this long for more nodes (the nodes of
+    one scale-up join seconds apart) and grow onto all of them at once, up to max_workers: one
+    restart instead of one per node. The group trains on meanwhile. 0: grow at once."""
     health_check_interval_s: float = 1.0
     """How often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
     Ray's default 2 s): a worker that died is noticed within this long, which is part of every
@@ -185,6 +189,11 @@ class ClusterConfig:
                 "cluster.drain_on_grow_timeout_s",
                 timeout,
                 "0 (no drain on grow) or a positive number of seconds",
+            )
+        settle = self.grow_settle_s
+        if not (math.isfinite(settle) and settle >= 0):
+            fail(
+                "cluster.grow_settle_s", settle, "0 (grow at once) or a positive number of seconds"
             )
         check_positive(
             "cluster.health_check_interval_s",

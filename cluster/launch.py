@@ -310,7 +310,19 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[SigtermCallback(), RestartClock(folder, launch_id)]
             + ([preemption] if preemption else [])
-            + ([ClusterView(c.elastic_resize_monitor_interval_s, lo, grow)] if elastic else []),
+            + (
+                [
+                    ClusterView(
+                        c.elastic_resize_monitor_interval_s,
+                        lo,
+                        grow,
+                        max_workers=hi,
+                        settle_s=c.grow_settle_s,
+                    )
+                ]
+                if elastic
+                else []
+            ),
             # Ray Train's INFO lines (one per report per rank among them) only when verbose
             logging_config=ray_train_logging(c.verbose),
             # every worker process runs spares.preload: it warms the spares (elastic/spares.py)

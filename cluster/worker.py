@@ -22,6 +22,7 @@ from cluster.run.fatal import end_fatally, fatal_errors
 from cluster.run.folder import RunFolder, ray_run_folder
 from cluster.run.lease import LeaseGuard
 from cluster.run.ray_checkpoint import read_pointer, report_checkpoint
+from cluster.run.reporter import Reporter
 from trainer.metrics import MetricsLogger, MLflowLogger, NodeMetrics, NullLogger, print0
 
 
@@ -40,6 +41,12 @@ class LaunchInfo:
     startup: Optional[dict] = None
     """The driver's start-up phases (cluster/train.py Startup.handed_over): rank 0 of the
     launch's first worker group prints them with its own when its first step is done."""
+
+
+REPORT_SLOW_S = 10.0
+"""A checkpoint report Ray Train has not taken within this long is logged (run/reporter.py)."""
+REPORT_FLUSH_S = 60.0
+"""At a normal end, how long the worker waits for Ray to take its last reports."""
 
 
 def worker_config(job: dict, launch: LaunchInfo) -> dict:
@@ -109,6 +116,7 @@ def train_loop_per_worker(config: dict) -> None:
         requests=DrainRequests(folder, launch.launch_id) if rank == 0 else None,
     )
     announce_resume(ray.train.get_checkpoint())
+    reporter = Reporter(report_checkpoint, slow_s=REPORT_SLOW_S)  # never blocks the loop
     ctx = WorkerContext(
         rank=rank,
         world_size=world_size,
@@ -120,7 +128,7 @@ def train_loop_per_worker(config: dict) -> None:
         # older than Ray's latest report (a checkpoint is committed before it is reported) and
         # is newer when a worker died between commit and report, so Ray's is not passed here.
         resume_from=None,
-        on_checkpoint=report_checkpoint,
+        on_checkpoint=reporter.report,
         should_stop=drain,
         logger=logger,
         device=assigned_device(cfg.cluster.use_gpu),
@@ -137,6 +145,7 @@ def train_loop_per_worker(config: dict) -> None:
         with training():
             result = run_training(cfg, ctx)
     except fatal_errors() as e:
+        reporter.drop()
         end_fatally(folder, rank, launch.launch_id, e)
         if rank == 0:  # the driver waits for this line
             print(end_of_output(launch.launch_id), flush=True)
@@ -145,6 +154,10 @@ def train_loop_per_worker(config: dict) -> None:
         logger.close()
         if node_metrics is not None:
             node_metrics.finish()
+    if result.steps_done >= cfg.train.steps:
+        reporter.flush(REPORT_FLUSH_S)  # Ray's record of the last checkpoint, before the end
+    else:  # leaving: the next group resumes from the run folder, not from Ray's record
+        reporter.drop()
     if rank == 0 and result.steps_done >= cfg.train.steps:  # the driver waits for this line
         if drain.requests is not None:
             drain.requests.finished(result.steps_done)

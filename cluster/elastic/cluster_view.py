@@ -58,10 +58,22 @@ class ClusterView(ControllerCallback):
     the renewal switches it off, Ray's own tick still works; the clipping falls back to Ray's
     decision."""
 
-    def __init__(self, interval_s: float, min_workers: int, grow: Optional[GrowDrain] = None):
+    SETTLE_POLL_S = 0.25
+
+    def __init__(
+        self,
+        interval_s: float,
+        min_workers: int,
+        grow: Optional[GrowDrain] = None,
+        max_workers: Optional[int] = None,
+        settle_s: float = 0.0,
+    ):
         """`grow`: asks a running group to drain before Ray grows it (None: Ray grows it as is,
-        and the steps since the last checkpoint are trained again)."""
+        and the steps since the last checkpoint are trained again). `settle_s`: before growing
+        a running group, wait this long for more nodes (up to `max_workers`' worth) while the
+        group trains on (cluster.grow_settle_s)."""
         self.interval_s, self.min_workers = interval_s, min_workers
+        self.max_workers, self.settle_s = max_workers, settle_s
         self.grow = grow
         self._last = float("-inf")
         self._off = False
@@ -101,10 +113,41 @@ class ClusterView(ControllerCallback):
             )
             resize_decision.num_workers = fits
         growing = self._size is not None and resize_decision.num_workers > self._size
-        if self._resizing_running and growing and self.grow is not None:
-            self._drain_before_resize(resize_decision.num_workers)
+        if self._resizing_running and growing:
+            resize_decision.num_workers = self._settle(resize_decision)
+            if self.grow is not None:
+                self._drain_before_resize(resize_decision.num_workers)
         self._resizing_running = False
         self._size = resize_decision.num_workers
+
+    def _settle(self, decision, sleep=time.sleep, clock=time.monotonic) -> int:
+        """Nodes of a scale-up come a second or more apart: Ray grows the group onto the first,
+        and a second restart follows for the next (a join of two nodes took 23-26 s instead of
+        ~10). Before a grow, wait up to settle_s (the running group trains on: its reports go
+        from a thread of their own, run/reporter.py, so none blocks it while the controller
+        waits here) for more nodes, and grow onto all that hold workers then, up to
+        max_workers. Returns the size to start."""
+        n = decision.num_workers
+        if self.settle_s <= 0 or self.max_workers is None or n >= self.max_workers:
+            return n
+        deadline, fits = clock() + self.settle_s, n
+        while True:
+            try:
+                fits = max(
+                    fits, min(self.max_workers, workers_that_fit(decision.resources_per_worker))
+                )
+            except Exception:  # Ray's decision stands
+                return n
+            if fits >= self.max_workers or clock() >= deadline:
+                break
+            sleep(min(self.SETTLE_POLL_S, max(deadline - clock(), 0.0)))
+        if fits > n:
+            print(
+                f"elastic: Ray chose {n} workers; more nodes joined within "
+                f"{self.settle_s:.0f} s: starting {fits}",
+                flush=True,
+            )
+        return fits
 
     def _drain_before_resize(self, num_workers: int) -> None:
         """The running group checkpoints the step it is at before Ray tears it down."""

@@ -622,6 +622,59 @@ def test_a_process_started_after_a_trainer_was_built_still_starts_our_preemption
     assert preemption.replace_rays_watcher() is None
 
 
+def test_a_grow_waits_for_the_nodes_of_a_scale_up_and_grows_onto_all_of_them(monkeypatch):
+    """Two nodes joined a second apart: Ray decides to grow onto the first; ClusterView waits
+    (the group trains on) and starts the size both hold: one restart, not two."""
+    view = ClusterView(interval_s=1e9, min_workers=1, max_workers=3, settle_s=5.0)
+    fits = iter([2, 3])  # the settle's polls: the second node is up at the second
+    monkeypatch.setattr(cluster_view, "workers_that_fit", lambda per_worker: next(fits))
+    clock = Clock(0.0)
+    slept = []
+
+    def sleep(s):
+        slept.append(s)
+        clock.t += s
+
+    decision = SimpleNamespace(num_workers=2, resources_per_worker={"CPU": 1.0})
+    assert view._settle(decision, sleep=sleep, clock=lambda: clock.t) == 3
+    assert slept and sum(slept) < 5.0, "it stops waiting once max_workers fit"
+
+    # Nothing more joins: it waits settle_s and keeps Ray's decision.
+    monkeypatch.setattr(cluster_view, "workers_that_fit", lambda per_worker: 2)
+    slept.clear()
+    assert view._settle(decision, sleep=sleep, clock=lambda: clock.t) == 2
+    assert sum(slept) == pytest.approx(5.0)
+    # Already at max_workers, or settling off: no wait at all.
+    slept.clear()
+    full = SimpleNamespace(num_workers=3, resources_per_worker={"CPU": 1.0})
+    assert view._settle(full, sleep=sleep, clock=lambda: clock.t) == 3 and slept == []
+    view.settle_s = 0.0
+    assert view._settle(decision, sleep=sleep, clock=lambda: clock.t) == 2 and slept == []
+
+
+def test_the_grow_the_controller_drains_for_is_the_settled_size(monkeypatch):
+    class Grow:
+        timeout_s, calls = 30.0, []
+
+        def drain(self, reason):
+            self.calls.append(reason)
+            return {"step": 5}
+
+    view = ClusterView(interval_s=1e9, min_workers=1, grow=Grow(), max_workers=3)
+    view.settle_s = 5.0
+    monkeypatch.setattr(view, "_refresh", lambda: None)
+    monkeypatch.setattr(view, "_settle", lambda decision: 3)
+    monkeypatch.setattr(cluster_view, "workers_that_fit", lambda per_worker: 2)
+    state = {name: type(name, (), {})() for name in ("RunningState", "ResizingState")}
+    first = SimpleNamespace(num_workers=1, resources_per_worker={"CPU": 1.0})
+    view.before_controller_execute_resize_decision(first)
+    view.after_controller_state_update(state["RunningState"], state["ResizingState"])
+    grow = SimpleNamespace(num_workers=2, resources_per_worker={"CPU": 1.0})
+    view.before_controller_execute_resize_decision(grow)
+    assert grow.num_workers == 3
+    assert view.grow.calls == ["Ray is resizing the group to 3 workers"]
+
+
 def test_the_health_check_interval_is_ours_unless_the_user_set_it(monkeypatch):
     from cluster import launch as ray_launch
 
