@@ -8,13 +8,13 @@ be, so the background write is a sequential pass over that buffer computing bloc
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from trainer import storage
+from trainer.checkpoint.blocks import checksums_in_background
 from trainer.checkpoint.format import (
     ALIGN,
     MANIFEST,
@@ -152,16 +152,17 @@ def write_shard(
     data = step_dir.child(data_file_name(rank, world_size))
     buf = staging.numpy()
     rows = []
+    # Checksums on their own thread while the same bytes are written (blocks.py).
+    crcs_of = checksums_in_background(buf, [(p.offset, p.nbytes) for p in placements], block_bytes)
     with data.fs.open_output_stream(data.path, compression=None) as f:
         pos = 0
         for p in placements:
             f.write(b"\0" * (p.offset - pos))
-            crcs = []
             for lo in range(p.offset, p.offset + p.nbytes, block_bytes):
-                block = memoryview(buf[lo : min(lo + block_bytes, p.offset + p.nbytes)])
-                crcs.append(zlib.crc32(block))
-                f.write(block)
+                f.write(memoryview(buf[lo : min(lo + block_bytes, p.offset + p.nbytes)]))
             pos = p.offset + p.nbytes
+        crcs_per_placement = crcs_of.result()
+        for p, crcs in zip(placements, crcs_per_placement):
             rows.append(
                 dict(
                     key=p.key,
