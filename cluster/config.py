@@ -113,6 +113,10 @@ class ClusterConfig:
     """Before Ray grows a running elastic group, wait up to this long for more nodes (the nodes of
     one scale-up join seconds apart) and grow onto all of them at once, up to max_workers: one
     restart instead of one per node. The group trains on meanwhile. 0: grow at once."""
+    grow_spares_wait_s: float = 20.0
+    """Where spares are on: before growing onto nodes that joined, the controller has each of
+    them start its spare worker processes and waits up to this long (the group trains on) until
+    they have preloaded, so the bigger group starts in warm processes there too. 0: no wait."""
     health_check_interval_s: float = 1.0
     """How often Ray Train's controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
     Ray's default 2 s): a worker that died is noticed within this long, which is part of every

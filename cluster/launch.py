@@ -318,6 +318,9 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
                         grow,
                         max_workers=hi,
                         settle_s=c.grow_settle_s,
+                        warm_joined=spares.joined_node_warmer(folder, launch_id, c)
+                        if c.spares_on
+                        else None,
                     )
                 ]
                 if elastic
@@ -326,7 +329,9 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             # Ray Train's INFO lines (one per report per rank among them) only when verbose
             logging_config=ray_train_logging(c.verbose),
             # every worker process runs spares.preload: it warms the spares (elastic/spares.py)
-            worker_runtime_env=spares.worker_runtime_env() if c.spares_on else None,
+            worker_runtime_env=spares.worker_runtime_env(str(folder.location))
+            if c.spares_on
+            else None,
         ),
         torch_config=ray.train.torch.TorchConfig(
             backend="nccl" if c.use_gpu else "gloo", timeout_s=int(math.ceil(c.pg_timeout_s))

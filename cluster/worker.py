@@ -16,7 +16,12 @@ from typing import Callable, Optional
 
 from cluster.config import job_from_dict, snapshots_on
 from cluster.elastic.grow import DrainRequests
-from cluster.elastic.spares import SpareRequest, match_torch_threads, this_process
+from cluster.elastic.spares import (
+    SpareRequest,
+    match_torch_threads,
+    record_worker_env,
+    this_process,
+)
 from cluster.logs import end_of_output, quiet_libraries, quiet_ray_worker
 from cluster.run.fatal import end_fatally, fatal_errors
 from cluster.run.folder import RunFolder, ray_run_folder
@@ -117,6 +122,8 @@ def train_loop_per_worker(config: dict) -> None:
     )
     announce_resume(ray.train.get_checkpoint())
     reporter = Reporter(report_checkpoint, slow_s=REPORT_SLOW_S)  # never blocks the loop
+    if rank == 0 and cfg.cluster.spares_on:  # the controller starts spares on joined nodes
+        record_worker_env(folder, launch.launch_id)
     ctx = WorkerContext(
         rank=rank,
         world_size=world_size,

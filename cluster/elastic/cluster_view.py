@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
@@ -67,13 +67,18 @@ class ClusterView(ControllerCallback):
         grow: Optional[GrowDrain] = None,
         max_workers: Optional[int] = None,
         settle_s: float = 0.0,
+        warm_joined: Optional[Callable[[list[dict], dict[str, int]], Optional[str]]] = None,
     ):
         """`grow`: asks a running group to drain before Ray grows it (None: Ray grows it as is,
         and the steps since the last checkpoint are trained again). `settle_s`: before growing
         a running group, wait this long for more nodes (up to `max_workers`' worth) while the
-        group trains on (cluster.grow_settle_s)."""
+        group trains on (cluster.grow_settle_s). `warm_joined(nodes, {node id: workers})`:
+        before a grow, starts spares on the nodes that joined since the running group started
+        and waits for them (spares.warm_joined_nodes; None where spares are off)."""
         self.interval_s, self.min_workers = interval_s, min_workers
         self.max_workers, self.settle_s = max_workers, settle_s
+        self.warm_joined = warm_joined
+        self._group_nodes: Optional[set[str]] = None  # the usable nodes when the group started
         self.grow = grow
         self._last = float("-inf")
         self._off = False
@@ -115,10 +120,15 @@ class ClusterView(ControllerCallback):
         growing = self._size is not None and resize_decision.num_workers > self._size
         if self._resizing_running and growing:
             resize_decision.num_workers = self._settle(resize_decision)
+            self._warm_joined_nodes(resize_decision)
             if self.grow is not None:
                 self._drain_before_resize(resize_decision.num_workers)
         self._resizing_running = False
         self._size = resize_decision.num_workers
+        try:
+            self._group_nodes = {n["NodeID"] for n in usable_nodes()}
+        except Exception:  # only for the next grow's spares
+            self._group_nodes = None
 
     def _settle(self, decision, sleep=time.sleep, clock=time.monotonic) -> int:
         """Nodes of a scale-up come a second or more apart: Ray grows the group onto the first,
@@ -148,6 +158,28 @@ class ClusterView(ControllerCallback):
                 flush=True,
             )
         return fits
+
+    def _warm_joined_nodes(self, decision) -> None:
+        """Spares on the nodes that joined, warm before the group is torn down to grow: the new
+        group's actors there then start in preloaded processes, as the old nodes' do."""
+        if self.warm_joined is None or self._group_nodes is None or self._size is None:
+            return
+        try:
+            nodes = usable_nodes()
+            extra = decision.num_workers - self._size
+            per_node: dict[str, int] = {}
+            for n in nodes:
+                if n["NodeID"] in self._group_nodes or extra <= 0:
+                    continue
+                fits = workers_that_fit(decision.resources_per_worker, [n], set())
+                if fits > 0:
+                    per_node[n["NodeID"]] = min(fits, extra)
+                    extra -= per_node[n["NodeID"]]
+            line = self.warm_joined(nodes, per_node) if per_node else None
+        except Exception as e:  # never fail the run over an optimisation
+            line = f"elastic: no spares on the joined nodes ({type(e).__name__}: {e})"
+        if line:
+            print(line, flush=True)
 
     def _drain_before_resize(self, num_workers: int) -> None:
         """The running group checkpoints the step it is at before Ray tears it down."""

@@ -91,12 +91,22 @@ def _hook_env_var() -> Optional[str]:
         return None
 
 
-def worker_runtime_env() -> dict:
+MARKERS_ENV = "EFSDP_SPARE_MARKERS"
+"""In the train workers' runtime env: the run folder (a URI) where each process that preloaded
+leaves a marker (spares/<node id>-<pid>.json), so the controller sees spares it asked a joined
+node for become warm (`warm_joined_nodes`)."""
+MARKERS_DIR = "spares"
+
+
+def worker_runtime_env(markers: Optional[str] = None) -> dict:
     """RunConfig.worker_runtime_env: the setup hook in every train worker process. Ray's own
     `worker_process_setup_hook` field is read only by ray.init (job level), so the hook goes in
-    as the env var that field becomes. Empty where this Ray has no such variable."""
+    as the env var that field becomes. Empty where this Ray has no such variable. `markers`:
+    the run's elastic folder (URI), where preloaded processes leave their marker."""
     var = _hook_env_var()
-    return {"env_vars": {var: HOOK}} if var else {}
+    if not var:
+        return {}
+    return {"env_vars": {var: HOOK, **({MARKERS_ENV: markers} if markers else {})}}
 
 
 def apart() -> dict:
@@ -118,6 +128,26 @@ def preload() -> None:
     import_all(PRELOAD)
     _PRELOADED["done"] = time.time()
     _set_title(TITLE)  # Ray titles the process anew when it runs its first task
+    _leave_marker()
+
+
+def _leave_marker() -> None:
+    """spares/<node>-<pid>.json in the run folder: this process has preloaded (never raises)."""
+    where = os.environ.get(MARKERS_ENV)
+    if not where:
+        return
+    try:
+        import ray  # noqa: PLC0415 -- preloaded
+
+        from cluster.run.folder import RunFolder  # noqa: PLC0415 -- light
+
+        node = ray.get_runtime_context().get_node_id()
+        RunFolder.at(where).write(
+            f"{MARKERS_DIR}/{node}-{os.getpid()}.json",
+            {"node": node, "pid": os.getpid(), "warm": _PRELOADED["done"]},
+        )
+    except Exception:  # noqa: BLE001 -- a marker only
+        pass
 
 
 _PRELOADED: dict[str, float] = {}
@@ -181,9 +211,25 @@ def request_spares(count: int = 1, keep_alive_s: float = KEEP_ALIVE_S) -> None:
     """Asks this node's raylet to start `count` idle worker processes with this worker's
     runtime env (and job), which the next group's actors on this node take. Raises on failure
     (the caller prints it once: spares only save time)."""
+    import ray  # noqa: PLC0415
+
+    ctx = ray.get_runtime_context()
+    prestart(
+        _raylet_address(ray, ctx.get_node_id()),
+        ctx.get_job_id(),
+        ctx.get_runtime_env_string(),
+        count,
+        keep_alive_s,
+    )
+
+
+def prestart(
+    raylet: str, job_id: str, runtime_env: str, count: int, keep_alive_s: float = KEEP_ALIVE_S
+) -> None:
+    """PrestartWorkers on the raylet at `raylet` (host:port): `count` idle processes of the job
+    `job_id` (hex) with the serialized `runtime_env`."""
     if count < 1:
         return
-    import ray  # noqa: PLC0415
     from ray._private.grpc_utils import init_grpc_channel  # noqa: PLC0415
     from ray.core.generated import (  # noqa: PLC0415
         common_pb2,
@@ -192,15 +238,14 @@ def request_spares(count: int = 1, keep_alive_s: float = KEEP_ALIVE_S) -> None:
         runtime_environment_pb2,
     )
 
-    ctx = ray.get_runtime_context()
-    channel = init_grpc_channel(_raylet_address(ray, ctx.get_node_id()))
+    channel = init_grpc_channel(raylet)
     try:
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
             node_manager_pb2.PrestartWorkersRequest(
                 language=common_pb2.PYTHON,
-                job_id=bytes.fromhex(ctx.get_job_id()),
+                job_id=bytes.fromhex(job_id),
                 runtime_env_info=runtime_environment_pb2.RuntimeEnvInfo(
-                    serialized_runtime_env=ctx.get_runtime_env_string()
+                    serialized_runtime_env=runtime_env
                 ),
                 keep_alive_duration_secs=int(keep_alive_s),
                 num_workers=int(count),
@@ -209,6 +254,96 @@ def request_spares(count: int = 1, keep_alive_s: float = KEEP_ALIVE_S) -> None:
         )
     finally:
         channel.close()
+
+
+SPARE_ENV = "spare_env.json"
+"""Written by rank 0 of each group (where spares are on): the job id and the serialized runtime
+env of the train workers, which the controller needs to prestart spares on a joined node."""
+
+
+def record_worker_env(folder, launch_id: str) -> None:
+    """Rank 0: write SPARE_ENV (never raises: spares only save time)."""
+    try:
+        import ray  # noqa: PLC0415 -- in a worker: loaded
+
+        ctx = ray.get_runtime_context()
+        folder.write(
+            SPARE_ENV,
+            {
+                "launch": launch_id,
+                "job_id": ctx.get_job_id(),
+                "runtime_env": ctx.get_runtime_env_string(),
+            },
+        )
+    except Exception as e:  # noqa: BLE001
+        print(f"elastic: cannot record the workers' runtime env ({type(e).__name__}: {e})")
+
+
+def warm_joined_nodes(
+    folder,
+    launch_id: str,
+    nodes: list[dict],
+    per_node: dict[str, int],
+    wait_s: float,
+    clock=time.monotonic,
+    sleep=time.sleep,
+    start=prestart,
+) -> Optional[str]:
+    """Before a grow onto nodes that joined (no process of this job there yet): have each one's
+    raylet start as many spares as it will run workers (`per_node`: node id -> workers), and
+    wait up to `wait_s` (the running group trains on) until each node's spares left their
+    marker, so the new group's actors there start in warm processes too. Returns a line saying
+    what happened, or None when there was nothing to do (no joined node, spares not recorded)."""
+    env = folder.read(SPARE_ENV)
+    if not env or env.get("launch") != launch_id or not per_node:
+        return None
+    t0, asked = clock(), time.time()
+    by_id = {n["NodeID"]: n for n in nodes}
+    for node_id, count in per_node.items():
+        n = by_id[node_id]
+        start(
+            f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}",
+            env["job_id"],
+            env["runtime_env"],
+            count,
+        )
+    while True:
+        warm = _warm_counts(folder, asked)
+        cold = {k: c for k, c in per_node.items() if warm.get(k, 0) < c}
+        if not cold or clock() - t0 >= wait_s:
+            break
+        sleep(0.25)  # markers are files other processes write: nothing to wait on
+    took = clock() - t0
+    total = sum(per_node.values())
+    if cold:
+        return (
+            f"elastic: {total - sum(cold.values())} of {total} spare(s) on the joined node(s) "
+            f"warm after {took:.1f} s; growing anyway (the rest start as new processes)"
+        )
+    return f"elastic: {total} spare(s) on the joined node(s) warm in {took:.1f} s"
+
+
+def joined_node_warmer(folder, launch_id: str, cluster_cfg):
+    """ClusterView's warm_joined for this launch: warm_joined_nodes bounded by
+    cluster.grow_spares_wait_s."""
+
+    def warm(nodes: list[dict], per_node: dict[str, int]) -> Optional[str]:
+        return warm_joined_nodes(folder, launch_id, nodes, per_node, cluster_cfg.grow_spares_wait_s)
+
+    return warm
+
+
+def _warm_counts(folder, since: float) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    try:
+        names = folder.names(MARKERS_DIR)
+    except (FileNotFoundError, OSError):  # none yet
+        return counts
+    for name in names:
+        doc = folder.read(name)
+        if doc and doc.get("warm", 0) >= since:
+            counts[doc["node"]] = counts.get(doc["node"], 0) + 1
+    return counts
 
 
 def _raylet_address(ray, node_id: str) -> str:

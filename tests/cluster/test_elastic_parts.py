@@ -692,3 +692,70 @@ def test_the_health_check_interval_is_ours_unless_the_user_set_it(monkeypatch):
     assert ray_launch.set_health_check_interval(1.0) == "3"  # even over an inherited marker
     monkeypatch.delenv(ray_launch.HEALTH_CHECK_OURS)
     assert ray_launch.set_health_check_interval(1.0) == "3"
+
+
+def test_spares_are_started_on_the_joined_nodes_and_the_grow_waits_until_they_are_warm(tmp_path):
+    """Before a grow onto joined nodes, each one's raylet is asked for as many spares as it will
+    run workers, with the job and runtime env rank 0 recorded; the grow waits (bounded) until
+    their markers say they preloaded, counting only markers left after the request."""
+    from cluster.elastic import spares
+
+    folder = RunFolder.at(str(tmp_path / "elastic"))
+    folder.write(spares.SPARE_ENV, {"launch": "L", "job_id": "0a00", "runtime_env": "{}"})
+    folder.write(f"{spares.MARKERS_DIR}/n2-1.json", {"node": "n2", "pid": 1, "warm": 1.0})  # old
+    nodes = [
+        {"NodeID": n, "NodeManagerAddress": "10.0.0.1", "NodeManagerPort": 7000 + i}
+        for i, n in enumerate(["n1", "n2", "n3"])
+    ]
+    asked = []
+
+    def start(raylet, job_id, runtime_env, count):
+        asked.append((raylet, job_id, runtime_env, count))
+
+    clock, polls = Clock(0.0), []
+
+    def sleep(s):  # a spare of each node preloads at the second poll
+        polls.append(s)
+        clock.t += s
+        if len(polls) == 2:
+            for node in ("n2", "n3"):
+                folder.write(
+                    f"{spares.MARKERS_DIR}/{node}-9.json",
+                    {"node": node, "pid": 9, "warm": time.time()},
+                )
+
+    line = spares.warm_joined_nodes(
+        folder, "L", nodes, {"n2": 1, "n3": 1}, wait_s=20, clock=clock, sleep=sleep, start=start
+    )
+    assert asked == [("10.0.0.1:7001", "0a00", "{}", 1), ("10.0.0.1:7002", "0a00", "{}", 1)]
+    assert len(polls) == 2 and line == "elastic: 2 spare(s) on the joined node(s) warm in 0.5 s"
+    # Nothing warms: bounded, and it says so.
+    line = spares.warm_joined_nodes(
+        folder, "L", nodes, {"n2": 2}, wait_s=1.0, clock=clock, sleep=sleep, start=start
+    )
+    assert line.startswith("elastic: 0 of 2 spare(s) on the joined node(s) warm after 1.0 s")
+    # Another launch's record: nothing asked.
+    asked.clear()
+    assert spares.warm_joined_nodes(folder, "M", nodes, {"n2": 1}, 1.0, start=start) is None
+    assert asked == []
+
+
+def test_the_controller_warms_only_the_nodes_that_joined_since_the_group_started(monkeypatch):
+    seen = []
+    view = ClusterView(
+        interval_s=1e9, min_workers=1, max_workers=3, warm_joined=lambda n, p: seen.append(p)
+    )
+    monkeypatch.setattr(view, "_refresh", lambda: None)
+    node = lambda i: {"NodeID": f"n{i}", "Alive": True, "Resources": {"CPU": 1.0}}  # noqa: E731
+    present = [node(1)]
+    monkeypatch.setattr(cluster_view, "usable_nodes", lambda: list(present))
+    state = {name: type(name, (), {})() for name in ("RunningState", "ResizingState")}
+    view.before_controller_execute_resize_decision(
+        SimpleNamespace(num_workers=1, resources_per_worker={"CPU": 1.0})
+    )
+    present += [node(2), node(3)]
+    view.after_controller_state_update(state["RunningState"], state["ResizingState"])
+    view.before_controller_execute_resize_decision(
+        SimpleNamespace(num_workers=3, resources_per_worker={"CPU": 1.0})
+    )
+    assert seen == [{"n2": 1, "n3": 1}]
