@@ -13,6 +13,7 @@ from trainer.fsdp import FSDPModel, build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import full_gradients, full_parameters
 from trainer.model import build_model, initializer, loss_sum
+from trainer.optim import AdamW
 from trainer.step import train_step
 
 SEED = 1234
@@ -39,6 +40,21 @@ def batch(step: int, global_batch: int):
 
 def optimizer(groups, lr: float = LR):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+def lever_optimizer(fsdp: FSDPModel, lr: float = LR, state_dtype: str = "float32", seed: int = 0):
+    """Ours (trainer/optim.py AdamW), the reference's hyperparameters: moments in `state_dtype`,
+    the engine's master dtype and rounding, the rounding keyed by `seed`."""
+    return AdamW(
+        fsdp.param_groups(WD),
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        state_dtype=getattr(torch, state_dtype),
+        rounding=fsdp.master_rounding,
+        seed=seed,
+        index=fsdp.element_index(),
+    )
 
 
 def initial_parameters() -> dict[str, torch.Tensor]:
@@ -98,20 +114,30 @@ def engine_run(
     keep_trace: bool = False,
     lr: float = LR,
     overflow_at: Optional[tuple[int, int]] = None,
+    state_dtype: Optional[str] = None,
+    seed: int = 0,
+    data_step: Optional[int] = None,
 ):
     """Our engine on this rank: same data split by rank_range, losses all-reduced.
+
+    `state_dtype` (or a bf16 master in `sharding`): our AdamW (lever_optimizer) instead of
+    torch's, its rounding keyed by `seed`. `data_step`: every step trains on that step's batch
+    (the loss then falls step by step).
 
     fp16 runs under the ShardedGradScaler as trainer/loop.py does. overflow_at=(step, rank): that
     rank's loss is multiplied by 2**30 in that step, so its fp16 backward overflows (on that rank
     only) and every rank must skip the step."""
     fsdp = wrap(rank, world, **sharding)
-    opt = optimizer(fsdp.param_groups(WD), lr)
+    if state_dtype is not None or sharding.get("master_dtype", "float32") != "float32":
+        opt = lever_optimizer(fsdp, lr, state_dtype or "float32", seed)
+    else:
+        opt = optimizer(fsdp.param_groups(WD), lr)
     scaler = ShardedGradScaler(enabled=fsdp.param_dtype == torch.float16)
     lo = rank * global_batch // world
     hi = (rank + 1) * global_batch // world
     losses, norms, grads0, acct, skipped = [], [], {}, [], []
     for step in range(steps):
-        x, y = batch(step, global_batch)
+        x, y = batch(step if data_step is None else data_step, global_batch)
         out = train_step(
             fsdp,
             opt,

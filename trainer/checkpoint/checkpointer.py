@@ -42,7 +42,7 @@ from trainer.checkpoint import (
     TensorChunk,
     list_checkpoints,
 )
-from trainer.checkpoint.keys import OPTIM, optim_key, param_key
+from trainer.checkpoint.keys import MODEL, OPTIM, optim_key, param_key
 from trainer.checkpoint.resume import check_resumable
 from trainer.checkpoint.snapshots import Snapshots
 from trainer.checkpoint.trainer_state import TrainerState, cpu_rng_state, model_digest
@@ -59,8 +59,8 @@ def state_chunks(model: FSDPModel, optimizer: torch.optim.Optimizer) -> list[Ten
     others write an empty shard."""
     if model.mesh.replicate_rank != 0:
         return []
-    out = [
-        TensorChunk(param_key(fqn), shape, torch.float32, start, t)
+    out = [  # in the master's dtype (fp32, or bf16 with sharding.master_dtype)
+        TensorChunk(param_key(fqn), shape, t.dtype, start, t)
         for fqn, shape, start, t in param_pieces(model)
     ]
     out += [
@@ -76,10 +76,12 @@ def load_state(
     reader: CheckpointReader,
     optim_step: float,
     device: torch.device,
-) -> None:
+) -> list[str]:
     """Fill this rank's shards (and optimizer state, when the checkpoint has some: an imported
     one has none) from a checkpoint of any layout, reading only the element ranges this rank
-    holds."""
+    holds. Each tensor converts to the dtype this run keeps it in (the chunk table records the
+    saved one); returns a note for each kind that changed dtype (for the log)."""
+    notes = precision_changes(model, optimizer, reader)
     load_params(model, lambda fqn, start, n: reader.read(param_key(fqn), start, n).to(device))
     if optimizer is not None and any(k.startswith(OPTIM) for k in reader.keys()):
         load_optim(
@@ -88,6 +90,37 @@ def load_state(
             lambda fqn, name, start, n: reader.read(optim_key(fqn, name), start, n).to(device),
             step=optim_step,
         )
+    return notes
+
+
+def precision_changes(
+    model: FSDPModel, optimizer: Optional[torch.optim.Optimizer], reader: CheckpointReader
+) -> list[str]:
+    """What changes dtype at this load, said plainly. fp32 -> bf16 master: each weight rounds to
+    the nearest bf16 (the switch the memory levers make at a resume). bf16 -> fp32 master:
+    allowed, and said: the bf16 values are exact in fp32, but the precision they lost is not
+    recovered (the run continues from bf16-rounded weights). Moments convert either way."""
+    keys = reader.keys()
+    notes = []
+    saved = {reader.dtype(k) for k in keys if k.startswith(MODEL)}
+    now = model.master_dtype
+    for dtype in sorted(saved - {now}, key=str):
+        way = (
+            "each weight rounded to the nearest bf16"
+            if now == torch.bfloat16
+            else "upcast exactly; the precision bf16 lost is not recovered"
+        )
+        notes.append(f"master weights: {_name(dtype)} in the checkpoint, {_name(now)} now ({way})")
+    if optimizer is not None:
+        saved = {reader.dtype(k) for k in keys if k.startswith(OPTIM)}
+        now = getattr(optimizer, "state_dtype", now)
+        for dtype in sorted(saved - {now}, key=str):
+            notes.append(f"AdamW moments: {_name(dtype)} in the checkpoint, {_name(now)} now")
+    return notes
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def trainer_state(
@@ -120,6 +153,8 @@ def trainer_state(
         loss=float(loss) if loss is not None and math.isfinite(loss) else None,
         tokens_seen=step * cfg.train.global_batch_size * cfg.data.seq_len,
         hf_special_ids=hf_special_ids,
+        master_dtype=str(cfg.sharding.master_dtype),
+        optim_state_dtype=str(cfg.optim.state_dtype),
     )
 
 
@@ -322,7 +357,10 @@ class Checkpointer:
             reader = CheckpointReader(path)
             check_resumable(reader.state, self.cfg, self.data_identity, path)
             state = TrainerState.from_json(reader.state)
-            load_state(self.model, self.optimizer, reader, state.optim_step, self.device)
+            for note in load_state(
+                self.model, self.optimizer, reader, state.optim_step, self.device
+            ):
+                self.log(f"{path}: {note}")
         except CheckpointError as e:
             return str(e), None
         except OSError as e:

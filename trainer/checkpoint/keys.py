@@ -1,6 +1,7 @@
 """The tensor-key scheme, in both directions: the only place checkpoint keys are spelled.
 
-    model/<fqn>              an original parameter, fp32, by its fully-qualified name
+    model/<fqn>              an original parameter (fp32, or bf16 from a bf16 master), by its
+                             fully-qualified name
     optim/<fqn>/<state>      its optimizer state (AdamW: exp_avg, exp_avg_sq)
 
 Keys name tensors of the MODEL, never ranks, flat parameters or wrap units, so any world size,

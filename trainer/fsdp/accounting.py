@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 HOST_KINDS = ("host_params", "host_grads", "host_optim_state")
-"""sharding.offload=optimizer: state in host memory, reported apart (never in the device total)."""
+"""sharding.offload=optimizer or params: state in host memory, reported apart (never in the device
+total). With offload=params the device's sharded_params is 0 and the shard copied in for a gather
+counts as gathered_params while the gather is in flight."""
 MEMORY_KINDS = (
     "sharded_params",
     "sharded_grads",

@@ -61,8 +61,20 @@ class Offload(NamedEnum):
     """What lives in host memory instead of on the device."""
 
     none = "none"
-    optimizer = "optimizer"  # fp32 master shard, gradient shard and AdamW state; step on the host
+    optimizer = "optimizer"  # master shard, gradient shard and AdamW state; step on the host
     params = "params"  # and the compute-dtype shard too: copied to the device before its gather
+
+    @property
+    def host(self) -> bool:
+        """The master shard, the gradient shard and the optimizer's state live on the host."""
+        return self is not Offload.none
+
+
+class Rounding(NamedEnum):
+    """How a bf16 master shard takes its fp32 update (trainer/fsdp/rounding.py)."""
+
+    stochastic = "stochastic"  # up or down with odds by distance: unbiased, small updates survive
+    nearest = "nearest"  # round to nearest even: updates under half an ulp are lost (drift)
 
 
 class DType(NamedEnum):
@@ -113,14 +125,22 @@ class ShardingConfig:
     traffic. The planner (python -m cluster.plan) recommends it when the job does not fit
     otherwise."""
     offload: Offload = Offload.none
-    """none, or optimizer: the fp32 master shard, the fp32 gradient shard and AdamW's state live
-    in pinned host memory and the optimizer steps on the host; the device keeps only a
-    compute-dtype copy of its shard (2 bytes per parameter / N in bf16 instead of 16). Each
-    reduced gradient shard is copied to the host as it is ready, overlapping the rest of
-    backward."""
+    """none; optimizer: the master shard, the gradient shard and AdamW's state live in pinned
+    host memory and the optimizer steps on the host; the device keeps only a compute-dtype copy
+    of its shard (2 bytes per parameter / N in bf16 instead of 16). Each reduced gradient shard
+    is copied to the host as it is ready, overlapping the rest of backward. params: as
+    optimizer, and no persistent copy on the device at all: each unit's shard is copied in
+    (on the gather stream) just before its all-gather and freed after it (0 bytes per
+    parameter between gathers; the shard crosses PCIe at every gather)."""
     master_dtype: DType = DType.float32
     """The sharded master parameters the optimizer updates: float32, or bfloat16 (2 bytes a
-    parameter instead of 4, updates rounded so that small ones are not lost)."""
+    parameter instead of 4; the gradient shards are then bfloat16 too, the update is computed
+    in fp32 and rounded as master_rounding says)."""
+    master_rounding: Rounding = Rounding.stochastic
+    """With master_dtype=bfloat16, how each fp32 update is rounded into the bf16 master:
+    stochastic (unbiased; the noise is a hash of the seed, the step and the element's global
+    index, so any world size gives the same result), or nearest (plain bf16: updates below half
+    an ulp are lost; kept for the drift comparison in benchmarks/precision.py)."""
     hybrid_shard_group_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
     trace: bool = False
@@ -134,6 +154,8 @@ class ShardingConfig:
             value = DType.parse(value, f"sharding.{name}")
         elif name == "offload":
             value = Offload.parse(value, "sharding.offload")
+        elif name == "master_rounding":
+            value = Rounding.parse(value, "sharding.master_rounding")
         object.__setattr__(self, name, value)
 
     def validate(self) -> None:

@@ -37,10 +37,12 @@ import torch.distributed as dist
 from . import state
 from .accounting import Accounting
 from .collectives import Collectives
+from .config import Offload, Rounding
 from .flat_param import FlatParameter
 from .mesh import ShardMesh
 from .offload import HostGrads
 from .reducer import Reducer
+from .rounding import name_key
 from .scheduler import Scheduler
 from .unit import FSDPUnit
 from .wrap import ROOT, InitFn, UnitBuilder, UnitSpec, transformer_policy
@@ -62,7 +64,9 @@ class FSDPModel(torch.nn.Module):
         max_gathers_in_flight: int = 1,
         max_reductions_in_flight: int = 2,
         sharded_grad_accumulation: bool = False,
-        offload: bool = False,
+        offload: Offload | str | bool = Offload.none,
+        master_dtype: torch.dtype = torch.float32,
+        master_rounding: Rounding | str = Rounding.stochastic,
         trace: bool = False,
         init_fn: Optional[InitFn] = None,
     ):
@@ -70,8 +74,12 @@ class FSDPModel(torch.nn.Module):
         `model` is the root unit. `reshard_after_forward`: the units (never the root) free their
         gathered parameters after forward. `sharded_grad_accumulation`: no_sync() reduces every
         micro-batch into the gradient shards instead of keeping unsharded gradients.
-        `offload`: master weights, gradient shards and optimizer state in host memory (see
-        offload.py); the optimizer built over param_groups() then steps on the host."""
+        `offload`: Offload.optimizer (True): master weights, gradient shards and optimizer state
+        in host memory (see offload.py), the optimizer built over param_groups() steps on the
+        host; Offload.params: and no copy of the shard on the device between gathers.
+        `master_dtype`: the shards' (and gradient shards') dtype, float32 or bfloat16;
+        `master_rounding`: how the optimizer (trainer/optim.py) rounds updates into a bf16
+        master (rounding.py)."""
         super().__init__()
         self.module = model
         self.mesh, self.device = mesh, torch.device(device)
@@ -79,8 +87,13 @@ class FSDPModel(torch.nn.Module):
         self.acct = Accounting(trace_enabled=trace)
         self.comm = Collectives(self.acct, self.device)
         specs = transformer_policy(model) if units is None else units
-        self.offload = offload
-        host_grads = HostGrads(self.device, self.acct) if offload else None
+        if isinstance(offload, bool):
+            offload = Offload.optimizer if offload else Offload.none
+        self.offload_level = Offload.parse(offload, "sharding.offload")
+        self.offload = self.offload_level.host  # the shards and the optimizer live on the host
+        self.master_dtype = master_dtype
+        self.master_rounding = Rounding.parse(master_rounding, "sharding.master_rounding")
+        host_grads = HostGrads(self.device, self.acct) if self.offload else None
         self.reducer = Reducer(
             mesh, self.comm, self.acct, reduce_dtype, max_reductions_in_flight, host_grads
         )
@@ -94,7 +107,8 @@ class FSDPModel(torch.nn.Module):
             param_dtype,
             reduce_dtype,
             init_fn,
-            offload,
+            self.offload_level,
+            master_dtype,
         )
         self.units: list[FSDPUnit] = [
             build.unit(build.name(spec), spec, reshard_after_forward) for spec in specs
@@ -107,12 +121,17 @@ class FSDPModel(torch.nn.Module):
         self._in_backward = False
         self._step_open = False  # a step's accounting runs from its first forward to zero_grad
         self._install_hooks()
-        shard_numel = sum(f.shard_numel for f in self.flats())
-        if offload:  # the device keeps only the compute-dtype copy of its shard
-            self.acct.set("sharded_params", shard_numel * param_dtype.itemsize)
-            self.acct.set("host_params", shard_numel * 4)
+        master = sum(f.shard.numel() * f.shard.element_size() for f in self.flats())
+        if self.offload:  # offload=optimizer: the device keeps the compute-dtype copy only;
+            # offload=params: nothing between gathers (the copies in are gathered_params)
+            on_device = sum(f.compute.numel() * f.compute.element_size() for f in self._kept())
+            self.acct.set("sharded_params", on_device)
+            self.acct.set("host_params", master)
         else:
-            self.acct.set("sharded_params", shard_numel * 4)
+            self.acct.set("sharded_params", master)
+
+    def _kept(self) -> Iterator[FlatParameter]:
+        return (f for f in self.flats() if f.compute is not None)
 
     @property
     def optimizer_device(self) -> torch.device:
@@ -195,7 +214,7 @@ class FSDPModel(torch.nn.Module):
 
     # ---- what users hold ------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
-        """What the optimizer updates: this rank's fp32 shard of each flat parameter, as at most
+        """What the optimizer updates: this rank's master shard of each flat parameter, as at most
         two views (with and without weight decay), named `<unit>.flat<i>.<decay|no_decay>`. The
         original parameters are views of gathered buffers that exist only around their unit's
         compute; sharded_state_dict() / full_state_dict() name them."""
@@ -214,6 +233,16 @@ class FSDPModel(torch.nn.Module):
         return state.full_state_dict(self, dtype)
 
     # ---- gradients and the optimizer ------------------------------------------------------
+    def element_index(self) -> dict[int, tuple[int, int]]:
+        """id(optimizer view) -> (a key of its flat parameter, the index of its first element in
+        the flat parameter): what stochastic rounding keys its noise by. Neither depends on the
+        world size (a flat's layout does not; only its cut into shards does)."""
+        return {
+            id(p): (name_key(flat.infos[0].fqn), flat.lo + off)
+            for flat in self.flats()
+            for p, _, off in flat.opt_params
+        }
+
     def param_groups(self, weight_decay: float) -> list[dict]:
         decay, no_decay = [], []
         for flat in self.flats():
@@ -250,8 +279,8 @@ class FSDPModel(torch.nn.Module):
         home = "cpu" if self.offload else self.device  # where the gradient shards live
         sq = torch.zeros((), dtype=torch.float32, device=home)
         for flat in self.flats():
-            if flat.grad is not None and flat.valid_numel:
-                sq += flat.grad[: flat.valid_numel].pow(2).sum()
+            if flat.grad is not None and flat.valid_numel:  # summed in fp32 (bf16 shards too)
+                sq += flat.grad[: flat.valid_numel].pow(2).sum(dtype=torch.float32)
         sq = sq.to(self.device)  # the process group's device
         if self.mesh.shard_size > 1:
             dist.all_reduce(sq, group=self.mesh.shard_group)

@@ -34,15 +34,18 @@ class ParamInfo:
 
 
 class FlatParameter:
-    """The metadata and the local fp32 shard of one flattened group of parameters.
+    """The metadata and the local master shard of one flattened group of parameters.
 
-    Invariant: `shard` is this rank's fp32 master slice; it is the only persistent copy of the
-    parameters on this rank (everything gathered is a temporary in the compute dtype).
+    Invariant: `shard` is this rank's master slice (fp32, or bf16 with sharding.master_dtype);
+    it is the only persistent copy of the parameters on this rank (everything gathered is a
+    temporary in the compute dtype). The gradient shard `grad` has the master's dtype.
 
-    With `host` set (sharding.offload=optimizer) the master slice and the gradient slice live in
-    host memory (pinned when the device is a GPU) and `compute` is the persistent copy of the
-    slice on the device in the compute dtype, the input of every gather: refreshed from the
-    master at the unit's first gather after the optimizer may have changed it (`stale`).
+    With `host` set (sharding.offload=optimizer or params) the master slice and the gradient
+    slice live in host memory (pinned when the device is a GPU). With offload=optimizer
+    (`keep_compute`) `compute` is the persistent copy of the slice on the device in the compute
+    dtype, the input of every gather: refreshed from the master at the unit's first gather after
+    the optimizer may have changed it (`stale`). With offload=params there is no such copy: each
+    gather copies the master slice in, on the gather stream, and the copy dies with the gather.
     """
 
     def __init__(
@@ -54,6 +57,8 @@ class FlatParameter:
         device: torch.device,
         host: bool = False,
         compute_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
+        keep_compute: bool = True,
     ):
         self.infos = infos
         self.requires_grad = requires_grad
@@ -70,50 +75,72 @@ class FlatParameter:
         self.host = host
         pin = host and self.device.type == "cuda"
         home = "cpu" if host else self.device
-        self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=home, pin_memory=pin)
+        self.shard = torch.zeros(self.shard_numel, dtype=master_dtype, device=home, pin_memory=pin)
+        self.compute_dtype = compute_dtype
         self.compute: torch.Tensor | None = None
-        if host:
+        if host and keep_compute:
             self.compute = torch.empty(self.shard_numel, dtype=compute_dtype, device=self.device)
         self.stale = host  # compute must be refreshed from shard before its next use
-        self.grad: torch.Tensor | None = None  # fp32 gradient shard, allocated on first reduce
+        self.grad: torch.Tensor | None = None  # gradient shard (master dtype), from 1st reduce
         self.grad_is_zero = True  # the next reduced gradient overwrites instead of adding
         self.opt_params = self._optimizer_views() if requires_grad else []
 
+    @property
+    def staged(self) -> bool:
+        """offload=params: every gather copies the host master in (no device copy is kept)."""
+        return self.host and self.compute is None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes a staged gather holds while in flight: the master slice copied in, and
+        its cast to the compute dtype when the two differ (the gather casts on the device)."""
+        if not self.staged:
+            return 0
+        cast = self.compute_dtype.itemsize if self.compute_dtype != self.shard.dtype else 0
+        return self.shard_numel * (self.shard.element_size() + cast)
+
     def gather_source(self) -> torch.Tensor:
-        """The slice a gather reads: the fp32 master, or (offloaded) its device copy, refreshed
-        on the current stream if the master changed since."""
+        """The slice a gather reads, on the current stream (the gather's): the master; with
+        offload=optimizer its device copy, refreshed if the master changed since; with
+        offload=params a fresh copy of the host master on the device (pinned, asynchronous; the
+        gather casts it and keeps both alive until it is done, then they go)."""
         if not self.host:
             return self.shard
+        if self.staged:
+            return self.shard.to(self.device, non_blocking=True)
         if self.stale:
             self.compute.copy_(self.shard, non_blocking=True)
             self.stale = False
         return self.compute
 
     def add_grad(self, shard: torch.Tensor) -> int:
-        """Fold a reduced gradient shard into the fp32 gradient shard (overwriting it after
+        """Fold a reduced gradient shard into the gradient shard (overwriting it after
         zero_grad). Returns the bytes allocated: the gradient shard is created at the first
         reduction (pinned on the host when offloaded), then kept."""
         if self.grad is None:
             adopt = (
                 not self.host  # the host path hands over a staging buffer it reuses
-                and shard.dtype == torch.float32
+                and shard.dtype == self.shard.dtype
                 and shard.device == self.shard.device
                 and shard.numel() == self.shard_numel
             )
             pin = self.host and self.device.type == "cuda"
             self.grad = (
-                shard  # the reduced fp32 shard becomes the gradient shard: no copy, no second one
+                shard  # the reduced shard becomes the gradient shard: no copy, no second one
                 if adopt
                 else torch.empty(
-                    self.shard_numel, dtype=torch.float32, device=self.shard.device, pin_memory=pin
+                    self.shard_numel,
+                    dtype=self.shard.dtype,
+                    device=self.shard.device,
+                    pin_memory=pin,
                 )
             )
             self.attach_grad_views()
+            allocated = self.shard_numel * self.shard.element_size()
             if adopt:
                 self.grad_is_zero = False
-                return self.shard_numel * 4
+                return allocated
             self.grad_is_zero = True
-            allocated = self.shard_numel * 4
         else:
             allocated = 0
         if self.grad_is_zero:
@@ -148,7 +175,7 @@ class FlatParameter:
         return views
 
     def attach_grad_views(self) -> None:
-        """Point each optimizer view's .grad at its slice of the fp32 gradient shard."""
+        """Point each optimizer view's .grad at its slice of the gradient shard."""
         for p, _, off in self.opt_params:
             p.grad = None if self.grad is None else self.grad[off : off + p.numel()]
 

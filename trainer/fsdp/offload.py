@@ -1,5 +1,5 @@
-"""Gradient shards to the host, for sharding.offload=optimizer: the fp32 master weights, the fp32
-gradient shard and AdamW's state live in (pinned) host memory and the optimizer steps there.
+"""Gradient shards to the host, for sharding.offload=optimizer and params: the master weights,
+the gradient shard and AdamW's state live in (pinned) host memory and the optimizer steps there.
 
 Each reduced gradient shard is copied to the host the moment its reduction is retired, on a copy
 stream of its own, so the copies overlap the rest of backward; its device memory is released as
@@ -7,8 +7,9 @@ soon as its copy is seen done. At the end of backward the host waits for the dev
 on the host needs every gradient) and folds the staged shards into the fp32 gradient shards.
 
 The other direction (the updated master weights back to the device) is the flat parameter's
-`gather_source`: the unit's first gather after an optimizer step refreshes the device copy, on the
-gather stream (flat_param.py).
+`gather_source`, on the gather stream (flat_param.py): with offload=optimizer the unit's first
+gather after an optimizer step refreshes the device copy; with offload=params every gather
+copies the shard in and frees the copy after it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .config import Offload, ShardingConfig
+from .config import ShardingConfig
 from .engine import FSDPModel
 from .mesh import ShardMesh
 from .wrap import InitFn, UnitSpec, block_policy, transformer_policy
@@ -59,7 +59,9 @@ def parallelize(
         max_gathers_in_flight=cfg.max_gathers_in_flight,
         max_reductions_in_flight=cfg.max_reductions_in_flight,
         sharded_grad_accumulation=cfg.sharded_grad_accumulation,
-        offload=cfg.offload is Offload.optimizer,
+        offload=cfg.offload,
+        master_dtype=cfg.master_dtype.torch,
+        master_rounding=cfg.master_rounding,
         trace=cfg.trace,
         init_fn=init_fn,
     )

@@ -5,7 +5,7 @@ Everything is named by the ORIGINAL parameter's fully-qualified name and a flat 
 it, never by rank or flat parameter: so any world size, strategy or wrap policy can load what
 any other saved (the checkpoint component turns these names into checkpoint keys).
 
-    for fqn, shape, start, t in param_pieces(fsdp): ...            # fp32 master weights
+    for fqn, shape, start, t in param_pieces(fsdp): ...            # master weights (fp32/bf16)
     for fqn, name, shape, start, t in optim_pieces(fsdp, opt): ... # AdamW exp_avg / exp_avg_sq
     sharded_state_dict(fsdp)           # {fqn: LocalShard(shape, start, values)}, no copies
     for fqn, t in iter_full_state(fsdp): ...  # whole parameters, one at a time, on rank 0
@@ -110,7 +110,7 @@ def iter_full_state(
             elif me in owners:
                 a, b = max(lo, me * n), min(hi, (me + 1) * n)
                 piece = flat.shard[a - flat.lo : b - flat.lo]
-                dist.send(piece.to(flat.device).contiguous(), dst=0, group=group)
+                dist.send(piece.to(flat.device, torch.float32).contiguous(), dst=0, group=group)
 
 
 def full_state_dict(fsdp: ShardedModel, dtype: Optional[torch.dtype] = None) -> dict:
@@ -120,8 +120,9 @@ def full_state_dict(fsdp: ShardedModel, dtype: Optional[torch.dtype] = None) -> 
 
 
 def load_params(fsdp: ShardedModel, read: Callable[[str, int, int], torch.Tensor]) -> None:
-    """Fill this rank's fp32 shards: read(fqn, start, numel) returns elements [start, start+numel)
-    of the full parameter `fqn`, from any layout."""
+    """Fill this rank's master shards: read(fqn, start, numel) returns elements [start,
+    start+numel) of the full parameter `fqn`, from any layout, in any dtype (an fp32 value
+    loaded into a bf16 master is rounded to nearest)."""
     with torch.no_grad():
         for flat in fsdp.flats():
             for info, start, count, off in flat.local_pieces():
@@ -135,7 +136,9 @@ def load_optim(
     step: float,
     names: tuple[str, ...] = OPTIM_STATES,
 ) -> None:
-    """Create and fill this rank's optimizer state: read(fqn, state name, start, numel)."""
+    """Create and fill this rank's optimizer state: read(fqn, state name, start, numel), in any
+    dtype: it is converted to the state's (an optimizer with `state_like(p)`, trainer/optim.py's,
+    says which; torch's keeps the parameter's)."""
     # The fused and capturable implementations keep the step count on the parameter's device.
     on_device = any(optimizer.defaults.get(k) for k in ("fused", "capturable"))
     with torch.no_grad():
@@ -145,8 +148,9 @@ def load_optim(
                 st["step"] = torch.tensor(
                     float(step), dtype=torch.float32, device=p.device if on_device else "cpu"
                 )
+                like = getattr(optimizer, "state_like", None)
                 for name in names:
-                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st[name] = like(p) if like else torch.zeros_like(p)
             for info, start, count, off in flat.local_pieces():
                 p, base = _view_at(flat, off)
                 for name in names:
@@ -161,7 +165,7 @@ def full_parameters(fsdp: ShardedModel) -> dict[str, torch.Tensor]:
 
 
 def full_gradients(fsdp: ShardedModel) -> dict[str, torch.Tensor]:
-    """Every original parameter's reduced fp32 gradient, gathered (for tests)."""
+    """Every original parameter's reduced gradient, gathered in fp32 (for tests)."""
     return _gather_full(
         fsdp,
         lambda flat: flat.grad if flat.grad is not None else torch.zeros_like(flat.shard),
@@ -177,7 +181,7 @@ def _gather_full(
     for flat in fsdp.flats():
         if trainable_only and not flat.requires_grad:
             continue
-        mine = local(flat).to(fsdp.device)  # offloaded shards live on the host
+        mine = local(flat).to(fsdp.device, torch.float32)  # offloaded shards live on the host
         full = torch.empty(flat.padded_numel, dtype=torch.float32, device=mine.device)
         if mesh.shard_size > 1:
             _all_gather(full, mine, group=mesh.shard_group)

@@ -12,7 +12,7 @@ it to `reduce` (the engine's reducer, reducer.py), or keeps it for gradient accu
 no_sync.
 
 Storage invariants (checked by the accounting tests):
-- Between steps a unit holds only fp32 shards (`flat.shard`) and fp32 gradient shards.
+- Between steps a unit holds only master shards (`flat.shard`) and gradient shards.
 - While gathered, `_buf[i]` holds the padded unsharded parameters in the compute dtype and the
   module attributes are views into it. Reshard frees `_buf`'s storage (resize to 0) and keeps the
   tensor object, so views saved by autograd see the data again once it is re-gathered.
@@ -76,9 +76,15 @@ class FSDPUnit:
         # No communication and no copy when the shard IS the full parameter in the compute dtype
         # (and lives where the unit computes).
         offloaded = any(f.host for f in flats)
-        self.alias = mesh.shard_size == 1 and param_dtype == torch.float32 and not offloaded
+        self.alias = (
+            mesh.shard_size == 1
+            and all(f.shard.dtype == param_dtype for f in flats)
+            and not offloaded
+        )
         self.gathered = False
         self._gather: list[Handle] = []
+        # offload=params: device bytes of the shards copied in for the gathers in flight.
+        self.staging_bytes = sum(f.staging_bytes for f in flats)
         self._buf: list[torch.Tensor] = []
         self._full: list[torch.Tensor] = []
         for flat in flats:
@@ -146,7 +152,7 @@ class FSDPUnit:
         return True
 
     def end_iteration(self) -> None:
-        """Backward is over (or a forward ran without gradients): back to the fp32 shards only.
+        """Backward is over (or a forward ran without gradients): back to the master shards only.
 
         A gather may still be in flight: a unit prefetched for a backward that never ran (its
         parameters frozen, or nothing upstream needing a gradient). It is waited for before its
@@ -177,11 +183,13 @@ class FSDPUnit:
         for flat, buf in zip(self.flats, self._buf):
             _alloc_storage(buf)
             if self.mesh.shard_size == 1:
-                buf.copy_(flat.gather_source())  # the compute-dtype copy is a local cast
+                # The compute-dtype copy is a local cast (offload=params: straight from the host).
+                buf.copy_(flat.shard if flat.staged else flat.gather_source(), non_blocking=True)
                 self.gathered = True
             else:
                 # The shard is cast to the compute dtype before the gather (a bf16 gather moves
-                # half the bytes of an fp32 one), on the gather's stream.
+                # half the bytes of an fp32 one), on the gather's stream; with offload=params
+                # the shard is first copied in from the host there too, prefetched with it.
                 self._gather.append(
                     self.comm.all_gather(
                         buf,
@@ -191,11 +199,15 @@ class FSDPUnit:
                         self.name,
                     )
                 )
+        if self._gather and self.staging_bytes:
+            self.acct.alloc("gathered_params", self.staging_bytes)
 
     def wait_gather(self) -> None:
         self.issue_gather()
         for h in self._gather:
             h.wait()
+        if self._gather and self.staging_bytes:  # the copies in from the host die with them
+            self.acct.free("gathered_params", self.staging_bytes)
         self._gather = []
         self.gathered = True
 
@@ -209,7 +221,7 @@ class FSDPUnit:
                 setattr(self.owners[info.module_name], info.attr, view)
 
     def reshard(self) -> None:
-        """Free the unsharded buffers. After this only the fp32 shards remain."""
+        """Free the unsharded buffers. After this only the master shards remain."""
         assert not self._gather, f"{self.name}: reshard while a gather is in flight"
         if not self.gathered or self.alias:
             return

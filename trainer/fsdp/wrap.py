@@ -3,7 +3,7 @@ their parameters flattened into FlatParameters and, from the meta device, materi
 parameter at a time so that only this rank's slice is ever kept.
 
 After wrapping, every original parameter attribute is gone from its module (the unit sets it to a
-view of the gathered flat tensor before each use), and each rank holds only its fp32 shards.
+view of the gathered flat tensor before each use), and each rank holds only its master shards.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from .accounting import Accounting
 from .collectives import Collectives
+from .config import Offload
 from .flat_param import FlatParameter, ParamInfo
 from .mesh import ShardMesh
 from .unit import FSDPUnit, ReduceFn
@@ -78,11 +79,12 @@ class UnitBuilder:
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         init_fn: Optional[InitFn],
-        offload: bool = False,
+        offload: Offload = Offload.none,
+        master_dtype: torch.dtype = torch.float32,
     ):
         self.mesh, self.device, self.comm, self.acct = mesh, device, comm, acct
         self.reduce = reduce
-        self.offload = offload
+        self.offload, self.master_dtype = offload, master_dtype
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.init_fn = init_fn
         self.names = {id(m): n for n, m in model.named_modules()}
@@ -144,8 +146,10 @@ class UnitBuilder:
             self.mesh.shard_rank,
             requires_grad,
             self.device,
-            host=self.offload,
+            host=self.offload.host,
             compute_dtype=self.param_dtype,
+            master_dtype=self.master_dtype,
+            keep_compute=self.offload is Offload.optimizer,
         )
         # One parameter at a time: materialise it, copy the slice this rank owns, drop it. Peak
         # memory is the shard plus the largest single parameter, never the unit or the model.
