@@ -101,6 +101,11 @@ class ClusterConfig:
     """GiB of one worker's device. When set, the memory planner (trainer/plan) checks before any
     worker starts that the job fits at the smallest world size, and fails with the breakdown and a
     recommendation if it does not. On CUDA workers the device's real size is checked regardless."""
+    host_memory_gb: Optional[float] = None
+    """GiB of host memory per node, shared by its workers (offloaded state, pinned gradient
+    staging, in-memory snapshots, ~2 GiB per worker process). On GPU workers with
+    device_memory_gb set, checked with it before any worker starts; null: 1024
+    (trainer/plan/levers.py DEFAULT_HOST_MEMORY_GB)."""
     elastic_resize_monitor_interval_s: float = 60.0
     """How often Ray Train checks whether an elastic run can grow (ScalingConfig field)."""
     drain_on_grow_timeout_s: float = 120.0
@@ -175,6 +180,10 @@ class ClusterConfig:
             self.elastic_resize_monitor_interval_s,
             "a positive number of seconds",
         )
+        if self.host_memory_gb is not None:
+            check_positive(
+                "cluster.host_memory_gb", self.host_memory_gb, "null or a positive number of GiB"
+            )
         if self.device_memory_gb is not None:
             check_positive(
                 "cluster.device_memory_gb",

@@ -4,14 +4,24 @@
         train.global_batch_size=64 device_memory_gb=80
     python -m cluster.plan model=8b cluster=ray train.global_batch_size=512 data.seq_len=4096 \\
         sharding.param_dtype=bfloat16 train.micro_batches=8 local_world_size=8
+    python -m cluster.plan model=70b cluster.num_workers=8 device_memory_gb=80 \\
+        sharding.param_dtype=bfloat16 data.seq_len=4096 train.global_batch_size=16
 
-The arguments are the training job's Hydra overrides (conf/), plus two keys of the planner's own:
-device_memory_gb (GiB per device, default 80) and local_world_size (workers per node, the default
-HYBRID_SHARD group, default 8). A plan fits when its peak fits in the device's memory less a GPU
-worker's headroom (the CUDA context, NCCL buffers and a fragmentation margin, trainer/plan/
-headroom.py), each a row of the table. An elastic job (cluster.min_workers/max_workers) is planned
-at both ends. Exit status 0 when the configured job fits at every world size it may have, 1 when
-not, 2 for an invalid config.
+The arguments are the training job's Hydra overrides (conf/), plus keys of the planner's own:
+  device_memory_gb    GiB per device (default 80)
+  host_memory_gb      GiB of host memory per node (default 1024), shared by its workers
+  local_world_size    workers per node, the default HYBRID_SHARD group (default 8)
+  pcie_gbs, compute_tflops, network_gbs, host_bandwidth_gbs: the rates of the step-time
+                      estimate (defaults and their sources: trainer/plan/levers.py)
+A plan fits when its peak fits in the device's memory less a GPU worker's headroom (the CUDA
+context, NCCL buffers and a fragmentation margin, trainer/plan/headroom.py), each a row of the
+table, and the node's workers fit in its host memory. Below the plan: the strategies that fit,
+then every combination of the memory levers (optim.state_dtype, sharding.master_dtype,
+sharding.offload, activation checkpointing, micro-batches, in-memory snapshots) with device and
+host memory per worker and the step-time estimate, and the cheapest that fits
+(trainer/plan/choose.py). An elastic job (cluster.min_workers/max_workers) is planned at both
+ends. Exit status 0 when the configured job fits at every world size it may have, 1 when not, 2
+for an invalid config.
 
 The job is composed exactly as `python -m cluster.train` composes it (cluster/config.py); the
 planner itself is trainer/plan.
@@ -28,11 +38,22 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config import ConfigError, JobConfig, register_schemas, to_job_config
-from trainer.plan import format_recommendation, plan, recommend
+from trainer.plan import Costs, format_options, format_recommendation, options, plan, recommend
+from trainer.plan.choose import best_per_levers
+from trainer.plan.levers import DEFAULT_HOST_MEMORY_GB
 from trainer.plan.planner import GiB
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-PLAN_KEYS = {"device_memory_gb": 80.0, "local_world_size": 8}
+RATES = Costs()
+PLAN_KEYS = {
+    "device_memory_gb": 80.0,
+    "host_memory_gb": DEFAULT_HOST_MEMORY_GB,
+    "local_world_size": 8,
+    "pcie_gbs": RATES.pcie_gbs,
+    "compute_tflops": RATES.compute_tflops,
+    "network_gbs": RATES.network_gbs,
+    "host_bandwidth_gbs": RATES.host_bandwidth_gbs,
+}
 
 
 def split_args(argv: list[str]) -> tuple[dict, list[str]]:
@@ -78,11 +99,14 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}{cause}", file=sys.stderr)
         return 2
     device = int(own["device_memory_gb"] * GiB)
+    host = int(own["host_memory_gb"] * GiB)
     local = own["local_world_size"]
+    costs = Costs(**{f.name: own[f.name] for f in dataclasses.fields(Costs)})
     ok = True
     for world in sorted(set(cfg.cluster.world_sizes)):
         try:
-            p = plan(cfg, world, device, local)
+            p = plan(cfg, world, device, local, host_memory_bytes=host)
+            opts = options(cfg, world, device, local, host_memory_bytes=host, costs=costs)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -90,7 +114,9 @@ def main(argv: list[str]) -> int:
         print()
         print(format_recommendation(recommend(cfg, world, device, local), p))
         print()
-        ok = ok and p.fits
+        print(format_options(opts, best_per_levers(opts), costs))
+        print()
+        ok = ok and p.fits_all
     return 0 if ok else 1
 
 

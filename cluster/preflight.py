@@ -81,9 +81,17 @@ def checked_config(
         preflight_resume(cfg.checkpoint_root, cfg, data_identity(cfg, plan.digest))
     if cfg.cluster.device_memory_gb:  # a job that cannot fit fails here, with the breakdown
         from trainer.plan import check_fits  # noqa: PLC0415 -- torch: only when asked for
+        from trainer.plan.levers import DEFAULT_HOST_MEMORY_GB  # noqa: PLC0415 -- the same
 
         memory = int(cfg.cluster.device_memory_gb * 2**30)
-        check_fits(cfg, cfg.cluster.world_sizes[0], memory, headroom=cfg.cluster.use_gpu)
+        host = int((cfg.cluster.host_memory_gb or DEFAULT_HOST_MEMORY_GB) * 2**30)
+        check_fits(
+            cfg,
+            cfg.cluster.world_sizes[0],
+            memory,
+            headroom=cfg.cluster.use_gpu,
+            host_memory_bytes=host if cfg.cluster.use_gpu else None,  # CPU: the device is host
+        )
     return cfg
 
 

@@ -359,7 +359,9 @@ def test_8b_that_cannot_fit_on_8_gpus_fails_fast_with_the_breakdown():
         "usable for tensors",
     ):
         assert row in msg, row
-    assert "recommended: FULL_SHARD with activation checkpointing" in msg
+    # SHARD_GRAD_OP or FULL_SHARD (both fit once the chunked loss keeps no full logits)
+    assert "with activation checkpointing" in msg.split("recommended: ")[1].splitlines()[0]
+    assert "Memory levers that make it fit" in msg  # and the levers, cheapest first
     assert elapsed < 60 and grown < 2 * GiB, (
         elapsed,
         grown,

@@ -234,8 +234,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables clipping (the norm is still computed)."""
     state_dtype: str = "float32"
-    """AdamW's two moments: float32 (8 bytes a parameter) or bfloat16 (4 bytes; the update is
-    still computed in fp32)."""
+    """AdamW's two moments: float32 (8 bytes a parameter) or bfloat16 (4 bytes; trainer/optim.py's
+    AdamW computes the update in fp32 and rounds the moments stochastically)."""
 
     def validate(self) -> None:
         """Every number finite: a NaN passes any `x < 0` check, and an infinite or NaN learning

@@ -58,6 +58,10 @@ COMPARED_PARAMS = (
     "sharding.reduce_dtype",
     "sharding.activation_checkpointing",
     "sharding.offload",
+    "sharding.master_dtype",
+    "optim.state_dtype",
+    "train.compile",
+    "train.float8",
     "model.name",
     "model.hf_path",
     "model.n_layers",
@@ -79,9 +83,9 @@ COMPARED_PARAMS = (
     "optim.weight_decay",
 )
 """A run's MLflow params: what decides its speed, memory and loss, the columns Compare lines up
-(strategy and mixed precision, the model, the workers, the batch, the data and its window, the
-learning rate). The whole resolved config stays the artifact resolved_config.yaml; the keys a
-sweep varies are added to these (`compared_params`)."""
+(strategy, mixed precision, the memory and speed levers, the model, the workers, the batch, the
+data and its window, the learning rate). The whole resolved config stays the artifact
+resolved_config.yaml; the keys a sweep varies are added to these (`compared_params`)."""
 
 
 def compared_params(cfg: JobConfig, also: Iterable[str] = ()) -> dict[str, object]:

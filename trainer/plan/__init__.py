@@ -10,22 +10,34 @@
 Exact state terms from the engine wrapped on the meta device (layout.py), activations measured by
 tracing one block and the root on fake tensors (activations.py), the step's phases from the
 engine's schedule (timeline.py), the bytes on the wire from its accounting (traffic.py), the ZeRO
-paper's formulas for comparison (zero.py). A plan fits when its peak fits in the device's memory
-less what a CUDA worker cannot give to tensors: the CUDA context, NCCL's buffers and the
-allocator's fragmentation (headroom.py).
+paper's formulas for comparison (zero.py). The memory levers (bf16 moments, bf16 master,
+optimizer or parameter offload) are priced from one table (levers.py), and choose.py lists every
+combination with its step-time estimate, picks the cheapest that fits device and host, and is
+the check a run makes before its workers start (check_fits). A plan fits when its peak fits in
+the device's memory less what a CUDA worker cannot give to tensors: the CUDA context, NCCL's
+buffers and the allocator's fragmentation (headroom.py), and its node's workers fit in the host's
+memory.
 """
 
 from .activations import ActivationProfile, profile
+from .choose import Option, cheapest, check_fits, options
 from .headroom import Headroom, headroom_for, nccl_communicators
 from .layout import Layout, layout
-from .planner import MemoryPlan, candidates, check_fits, plan, recommend, rows_per_micro_batch
-from .report import format_recommendation
+from .levers import BYTES, Costs
+from .planner import MemoryPlan, candidates, plan, recommend, rows_per_micro_batch
+from .report import format_options, format_recommendation
 from .timeline import Phase, StepTimeline
 from .traffic import bytes_per_step
 from .zero import zero_stage_bytes
 
 __all__ = [
+    "BYTES",
     "ActivationProfile",
+    "Costs",
+    "Option",
+    "cheapest",
+    "format_options",
+    "options",
     "Headroom",
     "Layout",
     "MemoryPlan",

@@ -9,6 +9,10 @@ engine's own numbers: the `sharded_params` it accounts at construction, each fla
 (AdamW keeps exp_avg and exp_avg_sq, fp32, for exactly those elements: padding has no state).
 
 The virtual mesh has no process groups: nothing communicates at construction.
+
+The engine is always wrapped as planning builds it (fp32 master, nothing offloaded); the memory
+levers (optim.state_dtype, sharding.master_dtype, sharding.offload) then price its element counts
+with the one table of levers.py, so a lever's figure is corrected there and nowhere else.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import torch
 
 from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
 from trainer.fsdp import FSDPModel, ShardMesh, parallelize, virtual_mesh
-from trainer.fsdp.config import Offload
 from trainer.fsdp.wrap import ROOT
 from trainer.model import build_model
+
+from .levers import BYTES, state_bytes
 
 ADAM_STATES = (
     2  # exp_avg, exp_avg_sq: one per element of each optimizer view (the step is a scalar)
@@ -58,12 +63,28 @@ class Layout:
     units: tuple[UnitLayout, ...]
     """The non-root units in forward order: the embedding, the blocks, the head (with tied
     embeddings only the blocks: the embedding and the norm are the root's)."""
-    sharded_params: int  # bytes, as the engine accounts them at construction
-    sharded_grads: int  # bytes of the fp32 gradient shards (allocated at the first reduction)
-    optim_state: int  # bytes of AdamW state on this rank
+    sharded_params: int
+    """Device bytes of the parameter shards: the master (as the engine accounts it at
+    construction, in sharding.master_dtype), its compute copy (offload=optimizer) or 0
+    (offload=params)."""
+    sharded_grads: int
+    """Device bytes of the gradient shards, in the master's dtype (allocated at the first
+    reduction)."""
+    optim_state: int
+    """Device bytes of AdamW's moments on this rank (optim.state_dtype), with the bf16 master's
+    rounding compensation if it keeps one."""
     host_state: int = 0
-    """sharding.offload=optimizer: the fp32 master, gradient shard and AdamW state, in host
-    memory (the device terms above then hold only the compute-dtype copy of the shard)."""
+    """sharding.offload=optimizer|params: the master, gradient shard and AdamW state in host
+    memory (the device terms above then hold only the compute-dtype copy of the shard, or
+    nothing)."""
+    host_staging: int = 0
+    """Offloaded: the pinned host buffers the reduced gradient shards are copied into."""
+    shard_state: int = 0
+    """Master + moments (+ compensation) wherever they are: what one snapshot copies."""
+    offload: str = "none"
+    shard_elements: int = 0  # P: this rank's shard elements, padding included
+    grad_elements: int = 0  # G: elements of the trainable flats' shards
+    optim_elements: int = 0  # O: elements with optimizer state (no padding)
 
     @property
     def blocks(self) -> tuple[UnitLayout, ...]:
@@ -96,22 +117,65 @@ def layout(
     world_size: int,
     local_world_size: int = 8,
     rank: int = 0,
+    state_dtype: str = "float32",
 ) -> Layout:
     """The layout of `rank` (rank 0 holds the most optimizer state: later ranks hold the
-    padding)."""
+    padding), its state priced under the levers: state_dtype is optim.state_dtype."""
     key = (
         _frozen(model),
         sharding.strategy,
         sharding.param_dtype,
         sharding.hybrid_shard_group_size,
-        sharding.offload,
     )
-    return _layout(key, world_size, local_world_size, rank)
+    base = _layout(key, world_size, local_world_size, rank)
+    return with_levers(base, sharding, state_dtype)
+
+
+def with_levers(base: Layout, sharding: ShardingConfig, state_dtype: str) -> Layout:
+    """The engine's fp32, on-device layout with the state bytes of the levers (levers.py)."""
+    offload = str(sharding.offload)
+    b = state_bytes(
+        base.shard_elements,
+        base.grad_elements,
+        base.optim_elements,
+        master=str(sharding.master_dtype),
+        moments=str(state_dtype),
+        rounding=str(sharding.master_rounding),
+        offload=offload,
+        param_dtype=str(sharding.param_dtype),
+        reduce_bytes=sharding.reduce_dtype.itemsize,
+    )
+    units = base.units
+    if offload == "params":  # no shard stays on the device: an aliased unit needs its copy too
+        p = BYTES["compute"][str(sharding.param_dtype)]
+        units = tuple(_on_device(u, p) for u in units)
+    return dataclasses.replace(
+        base,
+        units=units,
+        root=_on_device(base.root, BYTES["compute"][str(sharding.param_dtype)])
+        if offload == "params"
+        else base.root,
+        sharded_params=b.device_params,
+        sharded_grads=b.device_grads,
+        optim_state=b.device_optim,
+        host_state=b.host_state,
+        host_staging=b.host_staging,
+        shard_state=b.shard_state,
+        offload=offload,
+    )
+
+
+def _on_device(u: UnitLayout, param_bytes: int) -> UnitLayout:
+    """offload=params: a unit whose shard was its parameter (one rank per shard group, fp32) now
+    copies it in from the host, so its gathered bytes are that copy."""
+    if u.gathered_bytes or not sum(u.padded):
+        return u
+    return dataclasses.replace(u, gathered_bytes=param_bytes * sum(u.padded))
 
 
 @lru_cache(maxsize=64)
 def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
-    model_fields, strategy, param_dtype, hybrid, offload = key
+    model_fields, strategy, param_dtype, hybrid = key
     model = ModelConfig(**dict(model_fields))
     sharding = ShardingConfig(
         strategy=strategy, param_dtype=param_dtype, hybrid_shard_group_size=hybrid
@@ -125,11 +189,6 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
     optim_state = sum(
         ADAM_STATES * p.numel() * p.element_size() for f in flats for p, _, _ in f.opt_params
     )
-    host = 0
-    if offload is Offload.optimizer:  # built without (its shards would be real host memory)
-        host = sharded_params + sharded_grads + optim_state
-        sharded_params = sharded_params // 4 * sharding.param_dtype.itemsize  # the compute copy
-        sharded_grads = optim_state = 0
     return Layout(
         strategy=sharding.strategy,
         world_size=world_size,
@@ -142,7 +201,9 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
         sharded_params=sharded_params,
         sharded_grads=sharded_grads,
         optim_state=optim_state,
-        host_state=host,
+        shard_elements=sharded_params // 4,  # the fp32 master the engine accounts
+        grad_elements=sum(f.shard.numel() for f in flats if f.requires_grad),
+        optim_elements=sum(p.numel() for f in flats for p, _, _ in f.opt_params),
     )
 
 

@@ -1,11 +1,12 @@
-"""plan / recommend / check_fits: one worker's memory for a job at a world size, and the choice.
+"""plan / recommend: one worker's memory for a job at a world size, and the strategies that fit.
 
-    from trainer.plan import plan, recommend, check_fits
+    from trainer.plan import plan, recommend
     p = plan(cfg, world_size=64, device_memory_bytes=80 * 2**30)
     print(p.table())
     best = recommend(cfg, 64, 80 * 2**30)[0]     # fits, moves the fewest bytes
-    check_fits(cfg, 8, 80 * 2**30)              # ConfigError with the breakdown if it cannot fit
     plan(cfg, 8, 64 * 2**30, headroom=False)    # against the whole memory (CPU workers)
+
+The memory levers and the check before workers start (check_fits) are choose.py's.
 
 The state terms are the engine's own (layout.py), activations are measured on fake tensors
 (activations.py), the step's phases follow the engine's schedule (timeline.py) and the bytes on
@@ -20,6 +21,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from trainer.config import ConfigError, ShardingStrategy, TrainerConfig
 from trainer.data import rank_range
@@ -28,9 +30,10 @@ from trainer.fsdp.mesh import mesh_shape
 from .activations import profile
 from .headroom import Headroom, headroom_for
 from .layout import layout
-from .report import format_plan, format_recommendation, usable_memory
+from .levers import HOST_BASELINE_BYTES, host_step_bytes
+from .report import format_plan
 from .timeline import Phase, StepTimeline, step_timeline
-from .traffic import bytes_per_step
+from .traffic import bytes_per_step, pcie_per_step
 
 GiB = 2**30
 OFFLOADS = ("none", "optimizer")
@@ -54,7 +57,16 @@ class MemoryPlan:
     activation_checkpointing: bool
     sharded_grad_accumulation: bool
     offload: bool
-    """sharding.offload=optimizer: master weights, gradient shards and AdamW state on the host."""
+    """sharding.offload=optimizer or params: master weights, gradient shards and AdamW state on
+    the host (offload_level says which)."""
+    offload_level: str
+    """sharding.offload: none, optimizer or params (no shard on the device either)."""
+    master_dtype: str
+    """sharding.master_dtype of the sharded master parameters."""
+    state_dtype: str
+    """optim.state_dtype of AdamW's moments."""
+    master_rounding: str
+    """sharding.master_rounding (what a bf16 master keeps besides itself: levers.BYTES)."""
     rows: int
     """Sequences in this worker's largest micro-batch."""
     seq_len: int
@@ -63,7 +75,9 @@ class MemoryPlan:
     sharded_grads: int
     optim_state: int
     host_state: int
-    """Host bytes of the offloaded optimizer (0 without offload)."""
+    """Host bytes of the offloaded state (0 without offload)."""
+    host_staging: int
+    """Pinned host buffers the reduced gradient shards are copied into (0 without offload)."""
     snapshot_host: int
     """Host bytes per worker for in-memory snapshots (when TrainConfig.snapshots_on; 0 without):
     the worker's staging copy of its shard state plus its share of what the keepers hold, 2
@@ -74,6 +88,14 @@ class MemoryPlan:
     activations_with_checkpointing: int
     bytes_moved: dict
     """Bytes this worker sends per step, by collective (all_gather, reduce_scatter, all_reduce)."""
+    pcie: dict
+    """Bytes over this worker's PCIe link per step: host_to_device, device_to_host (levers.py)."""
+    host_step_bytes: int
+    """Host memory traffic of the offloaded optimizer step (0 without offload, levers.py)."""
+    workers_per_node: int
+    """min(local_world_size, world_size): the workers sharing one node's host memory."""
+    host_memory_bytes: Optional[int]
+    """Host memory per node to check against (None: not checked)."""
     device_memory_bytes: int
     headroom: Headroom
     """What of device_memory_bytes is not for tensors (Headroom.none() with headroom=False)."""
@@ -110,10 +132,55 @@ class MemoryPlan:
     def total_bytes_moved(self) -> int:
         return sum(self.bytes_moved.values())
 
+    @property
+    def pcie_bytes(self) -> int:
+        return sum(self.pcie.values())
+
+    @property
+    def host_per_worker(self) -> int:
+        """Host bytes one worker needs: its process, offloaded state and staging, snapshots."""
+        return HOST_BASELINE_BYTES + self.host_state + self.host_staging + self.snapshot_host
+
+    @property
+    def host_per_node(self) -> int:
+        return self.workers_per_node * self.host_per_worker
+
+    @property
+    def fits_host(self) -> bool:
+        """The node's workers fit in its host memory (True when no host memory was given)."""
+        return self.host_memory_bytes is None or self.host_per_node <= self.host_memory_bytes
+
+    @property
+    def fits_all(self) -> bool:
+        """Fits the device and the host."""
+        return self.fits and self.fits_host
+
+    @property
+    def levers(self) -> tuple[str, ...]:
+        """The memory levers this plan uses, as overrides (levers.py prices them)."""
+        out = []
+        if self.state_dtype != "float32":
+            out.append(f"optim.state_dtype={self.state_dtype}")
+        if self.master_dtype != "float32":
+            out.append(f"sharding.master_dtype={self.master_dtype}")
+        if self.offload_level != "none":
+            out.append(f"sharding.offload={self.offload_level}")
+        return tuple(out)
+
     def label(self) -> str:
         ckpt = "with" if self.activation_checkpointing else "without"
         accumulation = ", sharded gradient accumulation" if self.sharded_grad_accumulation else ""
-        offload = ", optimizer offloaded to the host" if self.offload else ""
+        offload = {
+            "none": "",
+            "optimizer": ", optimizer offloaded to the host",
+            "params": ", parameters and optimizer offloaded to the host",
+        }[self.offload_level]
+        dtypes = "".join(
+            f", {what} {dtype}"
+            for what, dtype in (("moments", self.state_dtype), ("master", self.master_dtype))
+            if dtype != "float32"
+        )
+        offload = dtypes + offload
         return f"{self.strategy} {ckpt} activation checkpointing{accumulation}{offload}"
 
     def table(self) -> str:
@@ -143,18 +210,21 @@ def plan(
     rank: int = 0,
     *,
     headroom: bool = True,
+    host_memory_bytes: Optional[int] = None,
 ) -> MemoryPlan:
     """Per-worker memory of `cfg` on `world_size` workers of `device_memory_bytes` each.
 
-    local_world_size is the number of workers per node (HYBRID_SHARD's default shard group).
-    headroom: reserve a CUDA worker's context, NCCL buffers and fragmentation margin (headroom.py)
-    out of the device's memory; False for CPU workers, or to compare with the whole memory."""
+    local_world_size is the number of workers per node (HYBRID_SHARD's default shard group, and
+    the workers that share a node's host memory). headroom: reserve a CUDA worker's context, NCCL
+    buffers and fragmentation margin (headroom.py) out of the device's memory; False for CPU
+    workers, or to compare with the whole memory. host_memory_bytes: per node, to check the
+    host side against (None: fits_host is True)."""
     if world_size < 1:
         raise ConfigError(f"invalid config: world size {world_size}; valid: a positive integer")
     sh, model = cfg.sharding, cfg.model
     micro = cfg.train.micro_batches
     rows = rows_per_micro_batch(cfg.train.global_batch_size, world_size, micro, rank)
-    lay = layout(model, sh, world_size, local_world_size, rank)
+    lay = layout(model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype)
     acts = {ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac) for ac in (False, True)}
     timelines = {ac: step_timeline(lay, sh, a, micro) for ac, a in acts.items()}
     timeline = timelines[bool(sh.activation_checkpointing)]
@@ -176,7 +246,11 @@ def plan(
         reduce_dtype=sh.reduce_dtype,
         activation_checkpointing=bool(sh.activation_checkpointing),
         sharded_grad_accumulation=bool(sh.sharded_grad_accumulation and micro > 1),
-        offload=lay.host_state > 0,
+        offload=lay.offload != "none",
+        offload_level=lay.offload,
+        master_dtype=str(sh.master_dtype),
+        state_dtype=str(cfg.optim.state_dtype),
+        master_rounding=str(sh.master_rounding),
         rows=rows,
         seq_len=cfg.data.seq_len,
         micro_batches=micro,
@@ -184,15 +258,28 @@ def plan(
         sharded_grads=lay.sharded_grads,
         optim_state=lay.optim_state,
         host_state=lay.host_state,
+        host_staging=lay.host_staging,
         snapshot_host=(
-            SNAPSHOT_COPIES * (lay.sharded_params + lay.optim_state)
-            if cfg.train.snapshots_on(gpu_workers=headroom)
-            else 0
+            SNAPSHOT_COPIES * lay.shard_state if cfg.train.snapshots_on(gpu_workers=headroom) else 0
         ),
         timeline=timeline,
         activations_without_checkpointing=_activation_peak(timelines[False]),
         activations_with_checkpointing=_activation_peak(timelines[True]),
         bytes_moved=bytes_per_step(lay, sh, micro),
+        pcie=pcie_per_step(lay, sh, micro),
+        host_step_bytes=(
+            host_step_bytes(
+                lay.shard_elements,
+                lay.grad_elements,
+                lay.optim_elements,
+                str(sh.master_dtype),
+                str(cfg.optim.state_dtype),
+            )
+            if lay.offload != "none"
+            else 0
+        ),
+        workers_per_node=min(local_world_size, world_size),
+        host_memory_bytes=None if host_memory_bytes is None else int(host_memory_bytes),
         device_memory_bytes=int(device_memory_bytes),
         headroom=reserved,
     )
@@ -264,41 +351,4 @@ def recommend(
     return sorted(
         fitting,
         key=lambda p: (p.offload, p.total_bytes_moved, p.activation_checkpointing, p.total),
-    )
-
-
-def check_fits(
-    cfg: TrainerConfig,
-    world_size: int,
-    device_memory_bytes: int,
-    local_world_size: int = 8,
-    *,
-    headroom: bool = True,
-) -> MemoryPlan:
-    """The plan, or ConfigError with the breakdown and what would fit: call before workers start.
-
-    With micro-batches whose unsharded gradients do not fit, the plan with sharded gradient
-    accumulation is returned when that one fits (same gradients, more reduce-scatter traffic):
-    the caller turns it on (trainer/loop.py does, and says so)."""
-    p = plan(cfg, world_size, device_memory_bytes, local_world_size, headroom=headroom)
-    if p.fits:
-        return p
-    if cfg.train.micro_batches > 1 and not cfg.sharding.sharded_grad_accumulation:
-        sharding = dataclasses.replace(cfg.sharding, sharded_grad_accumulation=True)
-        alt = plan(
-            dataclasses.replace(cfg, sharding=sharding),
-            world_size,
-            device_memory_bytes,
-            local_world_size,
-            headroom=headroom,
-        )
-        if alt.fits:
-            return alt
-
-    options = recommend(cfg, world_size, device_memory_bytes, local_world_size, headroom=headroom)
-    raise ConfigError(
-        f"invalid config: sharding.strategy={p.strategy} with sharding.activation_checkpointing="
-        f"{p.activation_checkpointing} on {world_size} workers needs {p.total / GiB:.2f} GiB "
-        f"per worker, more than {usable_memory(p)}; valid: a configuration that fits.\n\n"
-        f"{p.table()}\n\n{format_recommendation(options, p)}"
     )

@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .headroom import FRAGMENTATION_FLOOR_BYTES, FRAGMENTATION_FRACTION
+from .levers import BYTES
 
 if TYPE_CHECKING:
+    from .choose import Option
+    from .levers import Costs
     from .planner import MemoryPlan
 
 GiB, MiB = 2**30, 2**20
@@ -25,10 +28,21 @@ def format_plan(p: "MemoryPlan") -> str:
     def size(n: int) -> str:
         return f"{n / unit:.2f}"
 
+    params = {
+        "none": f"sharded parameters ({_short(p.master_dtype)})",
+        "optimizer": f"sharded parameters ({_short(p.param_dtype)} copy; master on host)",
+        "params": "sharded parameters (on the host)",
+    }[p.offload_level]
+    state = f"optimizer state (AdamW, {_short(p.state_dtype)}"
+    state += f" + {p.master_rounding})" if _compensates(p) else ")"
     rows = [
-        ("sharded parameters (fp32)", p.sharded_params, p.sharded_params),
-        ("sharded gradients (fp32)", peak.sharded_grads, tl.max_of("sharded_grads")),
-        ("optimizer state (AdamW, fp32)", p.optim_state, p.optim_state),
+        (params, p.sharded_params, p.sharded_params),
+        (
+            f"sharded gradients ({_short(p.master_dtype)})",
+            peak.sharded_grads,
+            tl.max_of("sharded_grads"),
+        ),
+        (state, p.optim_state, p.optim_state),
         (
             f"gathered parameters ({p.param_dtype})",
             peak.gathered_params,
@@ -73,9 +87,14 @@ def format_plan(p: "MemoryPlan") -> str:
         )
     lines.append("")
     if p.host_state:
+        what = "optimizer" if p.offload_level == "optimizer" else "parameters and optimizer"
         lines.append(
-            f"  host memory (optimizer offloaded: fp32 master, gradients, AdamW state): "
-            f"{_mem(p.host_state)}"
+            f"  host memory ({what} offloaded: master, gradients, AdamW state): "
+            f"{_mem(p.host_state)}, + {_mem(p.host_staging)} pinned gradient staging"
+        )
+        lines.append(
+            f"  over PCIe per step: {_wire(p.pcie['host_to_device'])} host to device, "
+            f"{_wire(p.pcie['device_to_host'])} device to host"
         )
     if p.snapshot_host:
         lines.append(
@@ -87,6 +106,13 @@ def format_plan(p: "MemoryPlan") -> str:
         f"  activations alone at their peak: {_mem(p.activations_without_checkpointing)} without "
         f"checkpointing, {_mem(p.activations_with_checkpointing)} with"
     )
+    if p.host_memory_bytes is not None:
+        verdict = "fits" if p.fits_host else "DOES NOT FIT"
+        lines.append(
+            f"  host memory per node: {p.workers_per_node} workers x "
+            f"{_mem(p.host_per_worker)} = {_mem(p.host_per_node)} of "
+            f"{_mem(p.host_memory_bytes)}: {verdict}"
+        )
     moved = ", ".join(f"{op.replace('_', '-')} {_wire(b)}" for op, b in p.bytes_moved.items() if b)
     lines.append(
         f"  sent per step per worker: {_wire(p.total_bytes_moved)}"
@@ -113,7 +139,9 @@ def format_recommendation(options: list["MemoryPlan"], configured: "MemoryPlan")
         return (
             f"{head}\n  nothing fits{where}. Valid: more workers, sharding.param_dtype=bfloat16,\n"
             "  sharding.reduce_dtype=bfloat16, fewer sequences per micro-batch (a larger\n"
-            "  train.micro_batches) or a shorter data.seq_len."
+            "  train.micro_batches), a shorter data.seq_len, or the memory levers\n"
+            "  optim.state_dtype, sharding.master_dtype and sharding.offload\n"
+            "  (python -m cluster.plan lists them)."
         )
     first = options[0]
     lines = [
@@ -162,6 +190,14 @@ def _peak_of(o: "MemoryPlan") -> str:
     return f"{_mem(o.total)} peak of {_mem(o.usable)} usable"
 
 
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(dtype), str(dtype))
+
+
+def _compensates(p: "MemoryPlan") -> bool:
+    return p.master_dtype != "float32" and BYTES["compensation"].get(p.master_rounding, 0) > 0
+
+
 def _units(kinds: tuple) -> str:
     """('embedding', 'block', 'block', 'head') -> 'embedding, 2 blocks, head'."""
     out = []
@@ -188,3 +224,87 @@ def _verdict(p: "MemoryPlan") -> str:
     if p.fits:
         return f"fits ({_mem(p.usable - p.total)} free)"
     return f"DOES NOT FIT (short by {_mem(p.total - p.usable)})"
+
+
+def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -> str:
+    """A row per option of `rows` (choose.best_per_levers: one per combination of memory levers)
+    with the device and host memory per worker, the bytes over PCIe and the step-time estimate;
+    then the cheapest that fits, as overrides. `opts` is choose.options' whole list."""
+    first = opts[0].plan
+    host = "" if first.host_memory_bytes is None else f", {_mem(first.host_memory_bytes)} host"
+    lines = [
+        f"Memory levers on {first.world_size} workers of {_mem(first.device_memory_bytes)}"
+        f"{host} per node of {first.workers_per_node} workers (micro-batches of "
+        f"{first.seq_len} tokens); step time at {costs.compute_tflops:g} TFLOP/s, PCIe "
+        f"{costs.pcie_gbs:g} GB/s, network {costs.network_gbs:g} GB/s, host memory "
+        f"{costs.host_bandwidth_gbs:g} GB/s per node, nothing overlapped:",
+        "",
+        f"  {'levers':<60} {'ckpt':>4} {'micro':>5} {'device':>13} {'host/worker':>11} "
+        f"{'host/node':>10} {'PCIe/step':>9} {'step s':>7}  verdict",
+    ]
+    for o in rows:
+        p = o.plan
+        micro = f"{p.micro_batches}{'s' if p.sharded_grad_accumulation else ''}"
+        device = f"{_gib(p.total)}+{_gib(p.headroom.total)}"
+        lines.append(
+            f"  {_lever_names(o):<60} {'on' if p.activation_checkpointing else 'off':>4} "
+            f"{micro:>5} {device:>13} {_gib(p.host_per_worker):>11} {_gib(p.host_per_node):>10} "
+            f"{p.pcie_bytes / 1e9:>8.1f}G {o.step_s:>7.2f}  {_fit_word(o)}"
+        )
+    n_fit = sum(o.fits for o in opts)
+    lines += [
+        "",
+        "  device: the step's peak + headroom (CUDA context, NCCL, fragmentation), GiB; host in "
+        "GiB;",
+        "  micro: micro-batches per step (s: sharded gradient accumulation); each row is its "
+        f"levers' cheapest; {n_fit} of {len(opts)} configurations fit.",
+        "",
+        cheapest_line(opts),
+    ]
+    return "\n".join(lines)
+
+
+def cheapest_line(opts: list["Option"]) -> str:
+    """'cheapest that fits: <overrides>' with its figures, or what fits nowhere."""
+    best = opts[0] if opts and opts[0].fits else None
+    if best is None:
+        return (
+            "nothing fits: more workers, a larger device, more host memory, fewer sequences per "
+            "micro-batch or a shorter data.seq_len"
+        )
+    p = best.plan
+    host = f"host {_mem(p.host_per_node)} per node" + (
+        "" if p.host_memory_bytes is None else f" of {_mem(p.host_memory_bytes)}"
+    )
+    return (
+        f"cheapest that fits: {' '.join(best.overrides)}\n"
+        f"  device {_mem(p.total)} peak ({_mem(p.total + p.headroom.total)} with headroom) of "
+        f"{_mem(p.device_memory_bytes)}; {host}; step ~{best.step_s:.2f} s = compute "
+        f"{best.compute_s:.2f} + recompute {best.recompute_s:.2f} + PCIe {best.pcie_s:.2f} + host "
+        f"step {best.host_step_s:.2f} + network {best.network_s:.2f}"
+    )
+
+
+def _lever_names(o: "Option") -> str:
+    p = o.plan
+    names = []
+    if p.state_dtype != "float32":
+        names.append(f"{_short(p.state_dtype)} moments")
+    if p.master_dtype != "float32":
+        names.append(f"{_short(p.master_dtype)} master")
+    if p.offload_level != "none":
+        names.append(f"offload={p.offload_level}")
+    if o.snapshots_off:
+        names.append("no snapshots")
+    return ", ".join(names) or "none"
+
+
+def _fit_word(o: "Option") -> str:
+    if o.fits:
+        return "fits"
+    short = [w for w, ok in (("device", o.plan.fits), ("host", o.plan.fits_host)) if not ok]
+    return "over on " + " and ".join(short)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f}"

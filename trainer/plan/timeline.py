@@ -39,6 +39,7 @@ from trainer.config import ShardingConfig, ShardingStrategy
 
 from .activations import ActivationProfile
 from .layout import Layout
+from .levers import staged_bytes_per_element
 
 
 @dataclass(frozen=True)
@@ -179,10 +180,16 @@ class _Gathered:
         return self.root + sum(self.sizes[max(0, i - self.backward_k) : i + 1])
 
     def cast_inputs(self) -> int:
-        """fp32 shards cast to the compute dtype before a gather, alive while it is in flight."""
-        if self.cfg.param_dtype == "float32" or self.lay.shard_size == 1:
+        """Shards cast to the compute dtype before a gather, alive while it is in flight (none
+        when the master is of the compute dtype); with offload=params every gather's master
+        slice, copied in from the host, and its cast (levers.staged_bytes_per_element)."""
+        master = str(self.cfg.master_dtype)
+        if self.lay.offload == "params":
+            size = staged_bytes_per_element(master, str(self.cfg.param_dtype))
+        elif str(self.cfg.param_dtype) == master or self.lay.shard_size == 1:
             return 0
-        size = self.cfg.param_dtype.itemsize
+        else:
+            size = self.cfg.param_dtype.itemsize
         shards = sorted((sum(u.shard) for u in self.lay.all_units), reverse=True)
         return size * sum(shards[: 1 + max(self.forward_k, self.backward_k)])
 
@@ -210,8 +217,8 @@ class _Grads:
         units[-1] = lay.root
         self.unsharded = {i: grad(u) for i, u in units.items()}
         self.outputs = {i: out(u) for i, u in units.items()}
-        # fp32 gradient shards (none on the device when offloaded: lay.sharded_grads is 0)
-        shard = 4 * bool(lay.sharded_grads)
+        # gradient shards, master dtype (none on the device when offloaded: sharded_grads is 0)
+        shard = lay.sharded_grads // lay.grad_elements if lay.grad_elements else 0
         self.shards = {
             i: shard * sum(s for s, t in zip(u.shard, u.trainable) if t) for i, u in units.items()
         }

@@ -10,6 +10,12 @@ starts with it); SHARD_GRAD_OP gathers every unit once; NO_SHARD gathers nothing
 on the last micro-batch (every micro-batch with sharding.sharded_grad_accumulation): a
 reduce-scatter of every flat gradient inside the shard group, then (HYBRID_SHARD) an all-reduce of
 the shard across replicas; NO_SHARD all-reduces the whole gradient.
+
+pcie_per_step: the bytes over the worker's own host <-> device link with the optimizer or the
+parameters offloaded (levers.py prices them): the gradients down once per reduction, and the
+compute copy up once a step (offload=optimizer) or every gather's master slice up
+(offload=params, at every use of a unit: also where one rank per shard group makes the gather a
+local copy).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from trainer.config import ShardingConfig, ShardingStrategy
 from trainer.fsdp.accounting import Accounting
 
 from .layout import Layout, UnitLayout
+from .levers import pcie_bytes_per_step
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -43,11 +50,32 @@ def bytes_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) ->
     return {op: acct.comm_bytes.get(op, 0) for op in OPS}
 
 
+def pcie_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) -> dict[str, int]:
+    """{'host_to_device': bytes, 'device_to_host': bytes} of one worker's step."""
+    uses = _uses_per_micro_batch(lay)
+    return pcie_bytes_per_step(
+        lay.offload,
+        lay.shard_elements,
+        lay.grad_elements,
+        sum(sum(u.shard) for u in uses),
+        micro_batches=micro_batches,
+        reductions=micro_batches if sharding.sharded_grad_accumulation else 1,
+        param_dtype=str(sharding.param_dtype),
+        master=str(sharding.master_dtype),
+        reduce_bytes=sharding.reduce_dtype.itemsize,
+    )
+
+
 def _gathered_per_micro_batch(lay: Layout) -> list[UnitLayout]:
     """Every unit in forward; FULL_SHARD / HYBRID_SHARD every unit again in backward but the last
     of the forward, which keeps its parameters into the backward that starts with it."""
     if lay.shard_size == 1:
         return []  # the compute copy is a local cast: nothing on the wire
+    return _uses_per_micro_batch(lay)
+
+
+def _uses_per_micro_batch(lay: Layout) -> list[UnitLayout]:
+    """The units each micro-batch gathers (or, with one rank per shard group, casts), in order."""
     if lay.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
         return [*lay.all_units, *lay.units[:-1]]
     return list(lay.all_units)
