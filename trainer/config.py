@@ -458,8 +458,9 @@ class TrainConfig:
     outside the compiled regions, so the next unit's all-gather still overlaps the block)."""
     loss_chunk_tokens: Optional[int] = None
     """Output projection + cross-entropy over chunks of this many tokens, each chunk's gradient
-    computed at once, so the full [tokens, vocab] fp32 logits never exist. null: on (at a size
-    chosen for the vocabulary) when the vocabulary is large; 0: off (the plain loss)."""
+    computed at once, so the full [tokens, vocab] fp32 logits never exist (trainer/loss.py).
+    null: on from a vocabulary of 16,384 up, in chunks of about 256 MiB of fp32 logits (512
+    tokens at 128k); 0: off (the plain loss); N: chunks of N tokens."""
     float8: bool = False
     """torchao's Float8 linear layers inside the blocks (CUDA, sm_89 or newer)."""
     float8_recipe: str = "tensorwise"

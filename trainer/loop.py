@@ -48,11 +48,12 @@ from trainer.fsdp.state import load_params
 from trainer.generate import eval_prompts, sample_text
 from trainer.guard import DivergenceError, DivergenceGuard  # noqa: F401 -- DivergenceError: the loop's error
 from trainer.hf import HFWeights, resolve_model
+from trainer.loss import resolve_chunk_tokens
 from trainer.metrics import MetricsLogger, NullLogger, print0
-from trainer.model import build_model, flops_per_token, initializer, loss_sum
+from trainer.model import build_model, flops_per_token, initializer
 from trainer.optim import build_optimizer, lr_at
 from trainer.progress import StepReport
-from trainer.step import forward, train_step
+from trainer.step import micro_batch_loss, train_step
 
 
 @dataclass
@@ -146,10 +147,13 @@ class Trainer:
             self.device,
             init_fn=NO_INIT if fills else initializer(t.seed),
         )
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, seed=cfg.train.seed)
         self.scaler = ShardedGradScaler(enabled=cfg.sharding.param_dtype is DType.float16)
         self.global_tokens = global_tokens_per_step(t.global_batch_size, d.seq_len)
         self.flops_per_token = flops_per_token(cfg.model, d.seq_len)
+        # The head and the loss a chunk of tokens at a time: the [tokens, vocab] fp32 logits of
+        # a large vocabulary never exist whole (trainer/loss.py; 0 = from the whole logits).
+        self.loss_chunk_tokens = resolve_chunk_tokens(t.loss_chunk_tokens, cfg.model.vocab_size)
         # A gloo group of all ranks besides the engine's, for the per-step agreements (stop,
         # save committed): on the CPU, so they cost no device sync.
         self.control = dist.new_group(backend="gloo") if self.world > 1 else None
@@ -279,6 +283,7 @@ class Trainer:
             world=self.world,
             device=self.device,
             lr=lr_at(self.cfg.optim, self.cfg.train.steps, self.step),
+            loss_chunk_tokens=self.loss_chunk_tokens,
         )
         self.step += 1
         return out.loss, out.norm, out.bad
@@ -303,8 +308,9 @@ class Trainer:
         if not self.eval_due():
             return None
         loss = evaluate(
-            self.model, self.eval_batches, self.rank, self.world, self.eval_rows(), self.device
-        )
+            self.model, self.eval_batches, self.rank, self.world, self.eval_rows(), self.device,
+            self.loss_chunk_tokens,
+        )  # fmt: skip
         self.result.eval_losses.append((self.step - 1, loss))
         return loss
 
@@ -371,15 +377,22 @@ class Trainer:
 
 
 def evaluate(
-    model, batches: Batches, rank: int, world: int, rows: int, device: torch.device
+    model,
+    batches: Batches,
+    rank: int,
+    world: int,
+    rows: int,
+    device: torch.device,
+    loss_chunk_tokens: int = 0,
 ) -> float:
     """Mean token loss over batches' first global_batch positions, all ranks together (every rank
-    runs the same number of forwards: the engine gathers parameters collectively)."""
+    runs the same number of forwards: the engine gathers parameters collectively); the loss
+    `loss_chunk_tokens` at a time as in training (0: from the whole logits)."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for mb in batches.fixed_micro_batches(batches.global_batch, rank, world, rows):
             inputs, targets, weight, positions = model_inputs(mb.to(device, non_blocking=True))
-            s, n = loss_sum(forward(model, inputs, positions), targets, weight)
+            s, n = micro_batch_loss(model, inputs, targets, weight, positions, loss_chunk_tokens)
             n = torch.as_tensor(n, dtype=torch.float64, device=device)
             total += torch.stack([s.double(), n])
     if world > 1:

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
+from trainer.loss import loss_sum as loss_sum  # re-exported: its home is now trainer/loss.py
+from trainer.loss import projected_loss_sum
 
 # ----------------------------------------------------------------------------- building blocks
 
@@ -306,8 +308,33 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputHead(nn.Module):
+    """The output projection (weight [vocab, dim], no bias): `head(h)` -> logits, or
+    `head(h, targets, weight, chunk)` -> (loss sum, count) straight from the hidden states,
+    chunk tokens at a time (trainer/loss.py), so the full logits never exist. The loss is
+    computed inside this module's own forward because a sharding engine gathers its weight
+    around that call (our head unit, FSDP2's fully_shard): read outside it, there is none."""
+
+    def __init__(self, dim: int, vocab_size: int, init_std: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+        self.init_std = init_std
+
+    def forward(self, h: torch.Tensor, targets=None, weight=None, chunk: int = 0):
+        if targets is None:
+            return F.linear(h, self.weight)
+        return projected_loss_sum(h, self.weight, targets, weight, chunk)
+
+    def extra_repr(self) -> str:
+        vocab, dim = self.weight.shape
+        return f"dim={dim}, vocab_size={vocab}"
+
+
 class Transformer(nn.Module):
-    """tokens [B, T] (int64) -> logits [B, T, vocab] in the compute dtype.
+    """tokens [B, T] (int64) -> logits [B, T, vocab] in the compute dtype; with `targets`
+    [B, T] -> (the fp32 token-loss sum, tokens counted) as trainer/loss.py's loss_sum gives, the
+    head and the loss computed `loss_chunk_tokens` tokens at a time (0: from the whole logits),
+    `loss_weight` the micro-batch's number or per-token weights.
 
     `positions` [B, T]: each token's position inside its document, a 0 starting the next one
     (packed fine-tuning windows, data.document_mask): attention stays inside each document and
@@ -326,14 +353,20 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Tied: the head reads the embedding matrix; there is no second parameter to keep equal.
-        self.output = None if cfg.tie_embeddings else _linear(cfg.dim, cfg.vocab_size, cfg.init_std)
+        self.output = (
+            None if cfg.tie_embeddings else OutputHead(cfg.dim, cfg.vocab_size, cfg.init_std)
+        )
 
     def forward(
         self,
         tokens: torch.Tensor,
         positions: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
-    ) -> torch.Tensor:
+        *,
+        targets: Optional[torch.Tensor] = None,
+        loss_weight=None,
+        loss_chunk_tokens: int = 0,
+    ):
         h = self.tok_embeddings(tokens)
         ctx = self.context(tokens, positions, cache, h.dtype)
         for layer in self.layers:
@@ -341,9 +374,15 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += tokens.shape[1]
         h = self.norm(h)
-        if self.output is None:
+        if self.output is not None:  # untied: the head's own forward (its unit gathers it)
+            if targets is None:
+                return self.output(h)
+            return self.output(h, targets, loss_weight, loss_chunk_tokens)
+        if targets is None:  # tied: the embedding's matrix, which the root unit holds
             return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        return projected_loss_sum(
+            h, self.tok_embeddings.weight, targets, loss_weight, loss_chunk_tokens
+        )
 
     def context(self, tokens, positions, cache, dtype) -> AttentionContext:
         if positions is not None and cache is not None:
@@ -487,24 +526,3 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     n = count_params(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor, weight=None):
-    """(sum of token cross-entropies as an fp32 scalar, number of tokens counted).
-
-    The caller divides by the GLOBAL token count of the step (data.global_tokens_per_step), so
-    the gradient does not depend on how the batch was split over ranks and micro-batches.
-    Cross-entropy is computed in fp32 even from bf16 logits. `weight` is None, a number (a
-    micro-batch weight: 0.0 marks a padding micro-batch that must still run backward but adds
-    nothing), or a tensor shaped like `targets` (per-token weights, the loss mask of fine-tuning;
-    tokens with weight 0 are not counted, and the count is then a device tensor).
-    """
-    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
-    flat_targets = targets.reshape(-1)
-    if weight is None or not torch.is_tensor(weight):
-        w = 1.0 if weight is None else float(weight)
-        total = F.cross_entropy(flat_logits, flat_targets, reduction="sum") * w
-        return total, (flat_targets.numel() if w != 0 else 0)
-    per_token = F.cross_entropy(flat_logits, flat_targets, reduction="none")
-    w = weight.reshape(-1).to(per_token.dtype)
-    return (per_token * w).sum(), (w != 0).sum()  # a device count: reading it would sync

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.fsdp.mixed_precision import ShardedGradScaler
-from trainer.model import loss_sum
+from trainer.loss import loss_sum
 from trainer.optim import guarded_step, set_lr
 
 MicroBatch = tuple
@@ -71,6 +71,7 @@ def train_step(
     grad_scale: float = 1.0,
     phase: Callable[[str], ContextManager] = _no_phase,
     on_gradients: Optional[Callable[[], None]] = None,
+    loss_chunk_tokens: int = 0,
 ) -> StepOutput:
     """One optimizer step over this rank's micro-batches (see the module docstring).
 
@@ -78,14 +79,18 @@ def train_step(
     multiplies the loss before backward (a peer that averages gradients over ranks takes world
     here; a test blows one rank's loss up to force an fp16 overflow). `phase(name)` wraps
     "forward", "backward" and "optimizer" (the benchmarks time and label them);
-    `on_gradients()` runs once the gradients are complete and unscaled, before the clip."""
+    `on_gradients()` runs once the gradients are complete and unscaled, before the clip.
+    `loss_chunk_tokens`: > 0 computes the head and the loss that many tokens at a time inside the
+    model's forward (trainer/loss.py; resolve train.loss_chunk_tokens with
+    trainer.loss.resolve_chunk_tokens), 0 from the whole logits."""
     if lr is not None:
         set_lr(optimizer, lr)
     loss_total = None
     for (inputs, targets, weight, *positions), last in _with_last(micro_batches):
         with contextlib.nullcontext() if last else model.no_sync():
             with phase("forward"):
-                s, _ = loss_sum(forward(model, inputs, *positions), targets, weight)
+                s, _ = micro_batch_loss(model, inputs, targets, weight, *positions,
+                                        chunk=loss_chunk_tokens)  # fmt: skip
             with phase("backward"):
                 scaler.scale_loss(s * grad_scale / global_tokens).backward()
         loss_total = s.detach().float() if loss_total is None else loss_total + s.detach()
@@ -106,10 +111,24 @@ def train_step(
     return StepOutput(loss_total / global_tokens, norm, bad, overflow)
 
 
-def forward(model, inputs: torch.Tensor, positions: Optional[torch.Tensor] = None):
-    """The logits; positions are passed only when there are some (a peer's model may not
-    take them)."""
-    return model(inputs) if positions is None else model(inputs, positions)
+def forward(model, inputs: torch.Tensor, positions: Optional[torch.Tensor] = None, **kwargs):
+    """The model's forward (the logits without kwargs); positions are passed only when there are
+    some (a peer's model may not take them)."""
+    return model(inputs, **kwargs) if positions is None else model(inputs, positions, **kwargs)
+
+
+def micro_batch_loss(
+    model, inputs, targets, weight, positions: Optional[torch.Tensor] = None, chunk: int = 0
+):
+    """(token-loss sum, tokens counted) of one micro-batch: chunk 0 from the logits the model
+    returns (loss_sum); chunk > 0 by the model itself, its head and the loss `chunk` tokens at a
+    time (trainer.model.Transformer's targets=), so the whole logits never exist. Inside the
+    model's forward, the engine's units (and FSDP2's) have the head's weight gathered."""
+    if not chunk:
+        return loss_sum(forward(model, inputs, positions), targets, weight)
+    return forward(
+        model, inputs, positions, targets=targets, loss_weight=weight, loss_chunk_tokens=chunk
+    )
 
 
 def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:

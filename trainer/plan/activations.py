@@ -29,6 +29,7 @@ import dataclasses
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from trainer.config import DType, ModelConfig, ShardingConfig
 from trainer.fsdp import virtual_mesh
-from trainer.model import loss_sum
+from trainer.loss import loss_sum, resolve_chunk_tokens
 
 from .layout import meta_engine
 
@@ -123,16 +124,25 @@ class AllocationTracker(TorchDispatchMode):
 
 
 def profile(
-    model: ModelConfig, rows: int, seq_len: int, param_dtype: str, checkpointing: bool
+    model: ModelConfig,
+    rows: int,
+    seq_len: int,
+    param_dtype: str,
+    checkpointing: bool,
+    loss_chunk_tokens: Optional[int] = None,
 ) -> ActivationProfile:
-    """Measure one block and the root for micro-batches of `rows` sequences of `seq_len` tokens."""
+    """Measure one block and the root for micro-batches of `rows` sequences of `seq_len` tokens.
+    `loss_chunk_tokens` is train.loss_chunk_tokens (None: auto for the vocabulary, as the loop
+    resolves it): chunked, the root holds one chunk's logits and their gradient, not the whole
+    [tokens, vocab] fp32 logits."""
     key = tuple(sorted(dataclasses.asdict(model).items()))
-    return _profile(key, rows, seq_len, param_dtype, checkpointing)
+    chunk = resolve_chunk_tokens(loss_chunk_tokens, model.vocab_size)
+    return _profile(key, rows, seq_len, param_dtype, checkpointing, chunk)
 
 
 @lru_cache(maxsize=32)
 def _profile(
-    model_key, rows: int, seq_len: int, param_dtype: str, checkpointing: bool
+    model_key, rows: int, seq_len: int, param_dtype: str, checkpointing: bool, chunk: int = 0
 ) -> ActivationProfile:
     model = ModelConfig(**dict(model_key))
     sharding = ShardingConfig(
@@ -144,7 +154,7 @@ def _profile(
     with FakeTensorMode():
         _warm_rotary(block_unit.modules[0], seq_len, dtype)
         block = _trace_block(block_unit, rows, seq_len, model.dim, dtype)
-        root = _trace_root(fsdp, rows, seq_len, dtype)
+        root = _trace_root(fsdp, rows, seq_len, dtype, chunk)
     return ActivationProfile(rows, seq_len, block, root)
 
 
@@ -205,8 +215,9 @@ def _trace_block(unit, rows: int, seq_len: int, dim: int, dtype: torch.dtype) ->
     return BlockProfile(retained, forward_peak, backward_peak, _nbytes(y))
 
 
-def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype) -> RootProfile:
-    """The model's own forward with no blocks: embedding -> norm -> output, then loss_sum. Each
+def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype, chunk: int = 0) -> RootProfile:
+    """The model's own forward with no blocks: embedding -> norm -> output, then loss_sum (chunk
+    0), or the chunked loss inside the model's forward, as trainer/step.py calls them. Each
     unit's flat gradient is dropped as it completes (the head's when the head's backward ends)."""
     model = fsdp.module
     model.layers = torch.nn.ModuleList()
@@ -236,8 +247,12 @@ def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype) -> RootProfil
 
     model.tok_embeddings.register_forward_hook(mark_embedding_output)
     with tracker:
-        logits = model.forward(tokens)  # not model(...): that would run the engine's hooks
-        s, _ = loss_sum(logits, targets)
+        if chunk:  # not model(...): that would run the engine's hooks
+            s, _ = model.forward(tokens, targets=targets, loss_chunk_tokens=chunk)
+            logits = None
+        else:
+            logits = model.forward(tokens)
+            s, _ = loss_sum(logits, targets)
         loss = s / (rows * seq_len)
         del logits, s  # the training step holds only the loss from here
         forward_peak = tracker.restart_peak()

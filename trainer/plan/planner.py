@@ -225,7 +225,10 @@ def plan(
     micro = cfg.train.micro_batches
     rows = rows_per_micro_batch(cfg.train.global_batch_size, world_size, micro, rank)
     lay = layout(model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype)
-    acts = {ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac) for ac in (False, True)}
+    chunk = cfg.train.loss_chunk_tokens
+    acts = {
+        ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk) for ac in (False, True)
+    }
     timelines = {ac: step_timeline(lay, sh, a, micro) for ac, a in acts.items()}
     timeline = timelines[bool(sh.activation_checkpointing)]
     reserved = (
