@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,float8]" "$(TORCH_SPEC)"
 	echo "$(TORCH_SPEC)" > $(STAMP)
 
 run: $(STAMP)

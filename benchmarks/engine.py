@@ -4,6 +4,7 @@
     python -m benchmarks.engine --models tiny            # one model
     python -m benchmarks.engine --param-dtype bfloat16   # bf16 compute (DDP stays fp32, labelled)
     python -m benchmarks.engine --models tiny --steps 1 --reps 1 --warmup 0 --profile-steps 1
+    python -m benchmarks.engine --compile                # eager and compiled, and the limit
 
 Models (`--models`, default both; a preset of trainer/config.py also works, with tiny's run):
 - tiny: `model_config("tiny")`, 3,541,248 parameters (dim 256, 4 layers, vocab 256); per rank
@@ -82,6 +83,18 @@ gradient-norm all-reduce (4 bytes) is not counted for anyone.
 Goals, per model, ours FULL_SHARD against FSDP2: paired step-time ratio <= 0.9, exposed
 communication (wait + launch) no larger, torch-allocator peak memory no larger. The last line of
 output is one JSON object with the headline figures of every model.
+
+--compile (issue 27): the contestants become ours FULL_SHARD, FSDP2 and the compute-only limit,
+each eager and compiled (`<name>_compiled`): every transformer block's forward compiled in place
+by trainer.speed.compile_blocks (train.compile's own function; FSDP2's blocks the same way,
+before fully_shard, so both keep their hooks and collectives outside the compiled code).
+compute-only is the same model, per-rank batch and AdamW in one process with no collective:
+every rank runs its own copy at the same time (the machine as loaded as for the others) on its
+own rows, so its losses are not compared. Every contestant gets at least one warmup step (the
+first step compiles: its extra time over the median is `<name>_compile_s`). Ratios added:
+ours compiled / ours eager, FSDP2 compiled / FSDP2 eager, ours compiled / FSDP2 compiled (goal
+<= 0.9), ours / compute-only, eager and compiled (goal <= 1.15). --compile-backend aot_eager
+(the smoke test) skips inductor's code generation.
 """
 
 from __future__ import annotations
@@ -108,6 +121,7 @@ from trainer.config import DType, ModelConfig, ShardingConfig, model_config
 from trainer.fsdp import FSDPModel, build_mesh, parallelize
 from trainer.model import build_model, count_params, initializer
 from trainer.optim import implementation
+from trainer.speed import compile_blocks
 from trainer.step import TorchPeer
 from trainer.step import train_step as train_step_recipe
 
@@ -117,7 +131,28 @@ DEVICE = torch.device("cpu")
 OURS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD"}
 ORDER = ("full_shard", "fsdp2", "ddp", "shard_grad_op", "no_shard")
 REFS = ("fsdp2", "ddp")
+COMPILED = "_compiled"  # a contestant's name + this: its blocks compiled (trainer.speed)
+COMPUTE = "compute_only"  # the same model, batch and optimizer in one process, no collectives
+COMPILE_ORDER = (
+    "full_shard",
+    "full_shard_compiled",
+    "fsdp2",
+    "fsdp2_compiled",
+    "compute_only",
+    "compute_only_compiled",
+)
+"""--compile's contestants: ours, FSDP2 and the compute-only limit, each eager and compiled."""
+VALID = ORDER + tuple(n for n in COMPILE_ORDER if n not in ORDER)
 GOAL_STEP_RATIO = 0.9  # ours FULL_SHARD / FSDP2 paired step time must not exceed this
+GOAL_LIMIT_RATIO = 1.15  # ours FULL_SHARD / compute-only paired step time must not exceed this
+COMPILE_PAIRS = (  # (contestant, reference) ratios of --compile, after those of OURS x REFS
+    ("full_shard_compiled", "full_shard"),
+    ("fsdp2_compiled", "fsdp2"),
+    ("full_shard_compiled", "fsdp2_compiled"),
+    ("full_shard", "compute_only"),
+    ("full_shard_compiled", "compute_only_compiled"),
+    ("compute_only_compiled", "compute_only"),
+)
 FORWARD, BACKWARD = "bench::forward", "bench::backward"  # profiler ranges of train_step
 
 
@@ -170,6 +205,8 @@ class Run:
     clip: float
     threads: int
     timeout: float
+    compile: bool = False  # --compile: the contestants of COMPILE_ORDER unless told otherwise
+    backend: str = "inductor"  # torch.compile's backend for the compiled contestants
 
     @property
     def cfg(self) -> ModelConfig:
@@ -214,6 +251,8 @@ class Contestant:
     fsdp: Optional[FSDPModel] = None
     comm_bytes_computed: Optional[int] = None
     dtype_note: str = ""
+    world: Optional[int] = None  # ranks its loss is summed over (1: compute-only; None: all)
+    first_step_s: Optional[float] = None  # the first (untimed) step: with compile, its compile
     times: list = field(default_factory=list)  # StepTime of every timed step
     profiled: list = field(default_factory=list)  # comm_in_trace() of every profiled step
     losses: list = field(default_factory=list)  # rank-local loss of every step, in order
@@ -236,11 +275,13 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
     return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
 
 
-def build_ours(name: str, run: Run, rank: int) -> Contestant:
+def build_ours(name: str, run: Run, rank: int, compiled: bool = False) -> Contestant:
     cfg = ShardingConfig(strategy=OURS[name], param_dtype=run.param_dtype, reduce_dtype="float32")
     cfg.validate()
     mesh = build_mesh(cfg, rank, run.world, local_world_size=run.world)
     model = build_model(run.cfg, device="meta")
+    if compiled:  # as trainer.speed.apply_speed_levers does it: before the engine wraps the model
+        compile_blocks(model, run.backend)
     fsdp = parallelize(model, cfg, mesh, DEVICE, init_fn=initializer(SEED))
     groups = fsdp.param_groups(WD)
     opt = adamw(groups[0]["params"], groups[1]["params"])
@@ -259,8 +300,10 @@ def fsdp2_units(model: torch.nn.Module) -> list[tuple[object, bool]]:
     return [(model.tok_embeddings, True), *blocks, ([model.norm, model.output], False)]
 
 
-def build_fsdp2(run: Run, rank: int) -> Contestant:
+def build_fsdp2(run: Run, rank: int, compiled: bool = False) -> Contestant:
     model = build_model(run.cfg, device="cpu", seed=SEED)
+    if compiled:  # the same way as ours: each block's forward, FSDP2's hooks outside it
+        compile_blocks(model, run.backend)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, run.param_dtype), reduce_dtype=torch.float32
     )
@@ -310,10 +353,45 @@ def build_ddp(run: Run, rank: int) -> Contestant:
     )
 
 
+def build_compute_only(run: Run, compiled: bool) -> Contestant:
+    """The limit: this rank's batch through the same model and AdamW in this process alone, no
+    collective at all (every rank runs its own at once, so the machine is as loaded as for the
+    others). It trains on its own rows only: its losses are not compared."""
+    model = build_model(run.cfg, device="cpu", seed=SEED)
+    if compiled:
+        compile_blocks(model, run.backend)
+    opt = matrices_first(model)
+
+    def held():
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return list(model.parameters()) + grads + optimizer_tensors(opt)
+
+    return Contestant(
+        COMPUTE,
+        model,
+        opt,
+        float(run.world),  # its own tokens are 1/world of the global count
+        TorchPeer(model, opt),
+        held,
+        wait_from_trace=lambda forward, backward: 0.0,
+        comm_bytes_computed=0,
+        world=1,
+    )
+
+
 def build(name: str, run: Run, rank: int) -> Contestant:
-    if name in OURS:
-        return build_ours(name, run, rank)
-    return build_fsdp2(run, rank) if name == "fsdp2" else build_ddp(run, rank)
+    base = name.removesuffix(COMPILED)
+    compiled = base != name
+    if base in OURS:
+        c = build_ours(base, run, rank, compiled)
+    elif base == "fsdp2":
+        c = build_fsdp2(run, rank, compiled)
+    elif base == COMPUTE:
+        c = build_compute_only(run, compiled)
+    else:
+        c = build_ddp(run, rank)
+    c.name = name
+    return c
 
 
 # ----------------------------------------------------------------------------- computed bytes
@@ -368,7 +446,7 @@ def train_step(c: Contestant, x, y, global_tokens: int, clip: float) -> tuple[fl
         [(x, y, 1.0)],
         global_tokens=global_tokens,
         grad_clip=clip,
-        world=dist.get_world_size(),
+        world=dist.get_world_size() if c.world is None else c.world,
         grad_scale=c.loss_scale,
         phase=lambda name: _timed(name, seconds),
     )
@@ -404,6 +482,8 @@ def timed_step(c: Contestant, data: list, run: Run, rep: Optional[int]) -> None:
     dist.barrier()  # the step ends when the slowest rank is done
     total = time.perf_counter() - t0
     wait = engine_wait_s(c)
+    if c.first_step_s is None:
+        c.first_step_s = total
     if rep is not None:
         c.times.append(StepTime(total, fwd, bwd, opt, rep, wait))
 
@@ -582,6 +662,7 @@ def summarise(c: Contestant, mem: dict, global_tokens: int) -> dict:
         min_ms=min(t.total for t in c.times) * 1e3,
         rep_ms=[ms(t.total for t in c.times if t.rep == r) for r in reps],
         n=len(c.times),
+        first_step_ms=c.first_step_s * 1e3,  # compiled: its compile (forward and backward)
         tokens_per_s=global_tokens / (ms(t.total for t in c.times) / 1e3),
         comm_computed=c.fsdp is None,
         note=c.dtype_note,
@@ -592,7 +673,7 @@ def summarise(c: Contestant, mem: dict, global_tokens: int) -> dict:
 
 
 def rank_main(rank: int, run: Run) -> Optional[dict]:
-    names = [n for n in ORDER if n in run.model.contestants]
+    names = [n for n in VALID if n in run.model.contestants]
     contestants = [build(n, run, rank) for n in names]
     data = batches(run, rank, run.n_steps())
     run_reps(contestants, data, run)
@@ -612,6 +693,8 @@ def rank_main(rank: int, run: Run) -> Optional[dict]:
         seq=m.seq,
         tokens_per_step=run.global_tokens,
         param_dtype=run.param_dtype,
+        compile=run.compile,
+        backend=run.backend,
         threads=torch.get_num_threads(),
         steps=m.steps,
         reps=m.reps,
@@ -642,6 +725,10 @@ LABELS = {
     "no_shard": "ours NO_SHARD",
     "fsdp2": "torch FSDP2",
     "ddp": "torch DDP",
+    "full_shard_compiled": "ours FULL_SHARD comp",
+    "fsdp2_compiled": "torch FSDP2 comp",
+    COMPUTE: "compute-only",
+    COMPUTE + COMPILED: "compute-only comp",
 }
 
 
@@ -676,17 +763,18 @@ def ratios(c: dict, ref: dict) -> dict:
 
 
 def pairs(by: dict) -> Iterator[tuple[str, str]]:
-    """(ours, reference) for every pair present, in report order."""
-    for name in OURS:
-        for ref in REFS:
-            if name in by and ref in by:
-                yield name, ref
+    """(contestant, reference) for every pair present, in report order: ours against torch's,
+    then --compile's (compiled against eager, ours against the compute-only limit)."""
+    both = [(name, ref) for name in OURS for ref in REFS] + list(COMPILE_PAIRS)
+    for name, ref in both:
+        if name in by and ref in by:
+            yield name, ref
 
 
 def time_table(res: dict) -> list[str]:
     head = (
         f"{'contestant':20} {'median ms':>9} {'min ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} "
-        f"{'tok/s':>7} {'exposed':>8} {'wait':>7} {'launch':>7}"
+        f"{'tok/s':>7} {'exposed':>8} {'wait':>7} {'launch':>7} {'1st s':>6}"
     )
     lines = [head, "-" * len(head)]
     for c in res["contestants"]:
@@ -694,7 +782,8 @@ def time_table(res: dict) -> list[str]:
             f"{LABELS[c['name']]:20} {c['ms']:9.1f} {c['min_ms']:8.1f} {c['fwd_ms']:7.1f} "
             f"{c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:7.0f} "
             f"{num(c['exposed_ms'], '8.1f')} {num(c['wait_ms'], '7.1f')} "
-            f"{num(c['launch_ms'], '7.1f')}" + (f"  [{c['note']}]" if c["note"] else "")
+            f"{num(c['launch_ms'], '7.1f')} {c['first_step_ms'] / 1e3:6.2f}"
+            + (f"  [{c['note']}]" if c["note"] else "")
         )
     return lines
 
@@ -718,22 +807,45 @@ def memory_table(res: dict) -> list[str]:
 def ratio_table(res: dict) -> list[str]:
     by = {c["name"]: c for c in res["contestants"]}
     head = (
-        f"{'ours / reference':20} {'ref':>6} {'paired':>7} {'median':>7} {'min':>7} "
+        f"{'contestant':20} {'/ reference':20} {'paired':>7} {'median':>7} {'min':>7} "
         f"{'exposed':>8} {'peak':>7}"
     )
     lines = [head, "-" * len(head)]
     for name, ref in pairs(by):
         r = ratios(by[name], by[ref])
         lines.append(
-            f"{LABELS[name]:20} {ref:>6} {r['paired']:7.3f} {r['median']:7.3f} {r['min']:7.3f} "
+            f"{LABELS[name]:20} {LABELS[ref]:20} {r['paired']:7.3f} {r['median']:7.3f} "
+            f"{r['min']:7.3f} "
             f"{num(r['exposed'], '8.3f')} {num(r['peak'], '7.3f')}"
         )
     return lines
 
 
 def goals_line(head: dict) -> str:
+    lines = [compile_goals_line(head)] if "goal_compiled_le_0.9x_fsdp2_compiled" in head else []
     if "goal_step_time_le_0.9x_fsdp2" not in head:
-        return "goals: need ours FULL_SHARD and torch FSDP2"
+        return "\n".join(["goals: need ours FULL_SHARD and torch FSDP2", *lines])
+    return "\n".join([eager_goals_line(head), *lines])
+
+
+def compile_goals_line(head: dict) -> str:
+    yes = lambda key: "met" if head[key] else "NOT met"
+    limit = [
+        f"{head[f'{n}_step_time_vs_{ref}_paired']:.3f}"
+        for n, ref in (("full_shard", COMPUTE), ("full_shard_compiled", COMPUTE + COMPILED))
+    ]
+    return (
+        f"goals, compiled: ours vs FSDP2 compiled "
+        f"{yes('goal_compiled_le_0.9x_fsdp2_compiled')} (paired "
+        f"{head['full_shard_compiled_step_time_vs_fsdp2_compiled_paired']:.3f}, target <= "
+        f"{GOAL_STEP_RATIO}); ours vs compute-only eager {yes('goal_le_1.15x_compute_only')} "
+        f"({limit[0]}), compiled {yes('goal_compiled_le_1.15x_compute_only_compiled')} "
+        f"({limit[1]}, target <= {GOAL_LIMIT_RATIO}); compile pays: ours compiled / eager "
+        f"{head['full_shard_compiled_step_time_vs_full_shard_paired']:.3f}"
+    )
+
+
+def eager_goals_line(head: dict) -> str:
     yes = lambda key: "met" if head[key] else "NOT met"
     paired = head["full_shard_step_time_vs_fsdp2_paired"]
     exposed = [num(head[f"{n}_exposed_ms"], ".1f") for n in ("full_shard", "fsdp2")]
@@ -820,10 +932,17 @@ def model_headline(res: dict) -> dict:
     if "full_shard" in by:
         out["full_shard_acct_peak_bytes"] = by["full_shard"]["acct_peak_bytes"]
         out["full_shard_acct_persistent_bytes"] = by["full_shard"]["acct_persistent_bytes"]
-    if "fsdp2" in by:
-        others = [loss_rel_diff(c["losses"], by["fsdp2"]["losses"]) for n, c in by.items()]
+    if "fsdp2" in by:  # compute-only trains on its rank's rows alone: another gradient
+        others = [
+            loss_rel_diff(c["losses"], by["fsdp2"]["losses"])
+            for n, c in by.items()
+            if not n.startswith(COMPUTE)
+        ]
         out["max_loss_rel_diff_vs_fsdp2"] = max(others)
-    return {**out, **goals(by)}
+    for name, c in by.items():
+        if name.endswith(COMPILED):  # the first step compiled: its extra time over a later one
+            out[f"{name}_compile_s"] = rnd((c["first_step_ms"] - c["ms"]) / 1e3, 2)
+    return {**out, **goals(by), **compile_goals(by)}
 
 
 def goals(by: dict) -> dict:
@@ -840,6 +959,20 @@ def goals(by: dict) -> dict:
     }
 
 
+def compile_goals(by: dict) -> dict:
+    """--compile's goals: ours compiled against FSDP2 compiled (paired <= 0.9), ours against the
+    compute-only limit, eager and compiled (paired <= 1.15); only for the pairs present."""
+    out = {}
+    for key, (name, ref), goal in (
+        ("goal_compiled_le_0.9x_fsdp2_compiled", COMPILE_PAIRS[2], GOAL_STEP_RATIO),
+        ("goal_le_1.15x_compute_only", COMPILE_PAIRS[3], GOAL_LIMIT_RATIO),
+        ("goal_compiled_le_1.15x_compute_only_compiled", COMPILE_PAIRS[4], GOAL_LIMIT_RATIO),
+    ):
+        if name in by and ref in by:
+            out[key] = ratios(by[name], by[ref])["paired"] <= goal
+    return out
+
+
 def headline(results: list[dict], load: tuple[float, float], wall_s: float) -> dict:
     models = {res["name"]: model_headline(res) for res in results}
     met = [v for m in models.values() for k, v in m.items() if k.startswith("goal_")]
@@ -850,6 +983,8 @@ def headline(results: list[dict], load: tuple[float, float], wall_s: float) -> d
         world=first["world"],
         param_dtype=first["param_dtype"],
         threads=first["threads"],
+        compile=first["compile"],
+        compile_backend=first["backend"],
         load_avg=[round(x, 2) for x in load],
         wall_s=round(wall_s, 1),
     )
@@ -891,13 +1026,24 @@ def parse_args(argv=None):
     p.add_argument(
         "--contestants",
         default=None,
-        help=f"comma-separated subset of {','.join(ORDER)} (default: per model)",
+        help=f"comma-separated subset of {','.join(VALID)} (default: per model)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help=f"contestants {','.join(COMPILE_ORDER)} (blocks compiled as train.compile does; "
+        "at least one warmup step, which compiles)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of the compiled contestants (the smoke test: aot_eager)",
+    )
     args = p.parse_args(argv)
     args.models = split(p, "--models", args.models, ())
     if args.contestants is not None:
-        args.contestants = tuple(split(p, "--contestants", args.contestants, ORDER))
+        args.contestants = tuple(split(p, "--contestants", args.contestants, VALID))
     for key in ("world", "steps", "reps", "batch", "seq", "threads", "profile_steps"):
         value = getattr(args, key)
         if value is not None and value < 1:
@@ -925,7 +1071,12 @@ def bench_model(name: str, args) -> BenchModel:
     --profile-steps and --contestants were given applied."""
     base = MODELS.get(name) or replace(MODELS["tiny"], preset=name)
     keys = ("batch", "seq", "steps", "reps", "warmup", "profile_steps", "contestants")
-    return replace(base, **{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    m = replace(base, **{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    if getattr(args, "compile", False):  # compiling happens in the first step: keep it untimed
+        m = replace(m, warmup=max(1, m.warmup))
+        if args.contestants is None:
+            m = replace(m, contestants=COMPILE_ORDER)
+    return m
 
 
 def make_run(name: str, args) -> Run:
@@ -937,6 +1088,8 @@ def make_run(name: str, args) -> Run:
         clip=args.clip,
         threads=args.threads,
         timeout=args.timeout,
+        compile=args.compile,
+        backend=args.compile_backend,
     )
 
 

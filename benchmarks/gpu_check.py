@@ -3,6 +3,7 @@
     python3 -m benchmarks.gpu_check --out gpu-check/      # the whole staged check (gpu_stages.py)
     python -m benchmarks.gpu_check                        # these rows only: 125m and 1b
     python -m benchmarks.gpu_check --models 125m          # one of them
+    python -m benchmarks.gpu_check --models 1b --levers   # compiled, Float8, parameter offload
     python -m benchmarks.gpu_check --device cpu --quick   # the same code path: tiny model, gloo
 
 For each model (125m: 32 x 2048 tokens a step, 1b: 8 x 2048), bf16 compute with fp32 master
@@ -26,6 +27,15 @@ synchronisations; figures are medians over the timed steps:
   stream's waits on collectives);
 - the step time of ours over FSDP2's (below 1: we are faster), and its inverse as a tokens/s ratio.
 
+--levers: the rows of the speed and memory levers instead, ours and FSDP2 given the same:
+`_compile` (every block's forward compiled in place, trainer.speed; `compile s` is the first
+step's extra time), `_compile_float8` (compiled with torchao's tensorwise Float8 linears in the
+blocks, our gather still bf16; skipped with the reason where torchao is missing or the GPU is
+below sm_89), `_offload_params` (sharding.offload=params; FSDP2 with CPUOffloadPolicy; CUDA
+only). --quick runs both kinds on the tiny model, one compiled row (with Float8 through
+torchao's CPU emulation where torchao is installed), compiled by aot_eager (inductor's C++ takes
+minutes on 2 cores).
+
 World size 1: a process group of one rank, built in this process (NCCL on CUDA, gloo on the CPU).
 At world size 1 the engine makes each unit's compute copy by a local cast and issues no
 collective, so its exposed communication is 0 by construction: this measures compute efficiency
@@ -40,25 +50,32 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # the reference, here only
+from torch.distributed.fsdp import (  # the reference, here only
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine import allocation_high_water
 from benchmarks.gpu_stages import BUDGET_S, CUDA_HINT, MIN_STAGE_S, run_all
 from trainer.config import (
+    ConfigError,
     DataConfig,
     ModelConfig,
     OptimConfig,
@@ -73,6 +90,7 @@ from trainer.fsdp.parallelize import apply_activation_checkpointing
 from trainer.model import build_model, flops_per_token
 from trainer.optim import build_optimizer, implementation, lr_at, set_lr
 from trainer.plan import MemoryPlan, plan
+from trainer.speed import apply_speed_levers, check_float8
 from trainer.step import TorchPeer, train_step
 
 GiB = 2**30
@@ -101,6 +119,40 @@ FULL = (Setup("125m", 32, 2048, 5, 30), Setup("1b", 8, 2048, 5, 25))
 QUICK = (Setup("tiny", 2, 32, 1, 2),)
 
 
+@dataclass(frozen=True)
+class Lever:
+    """One row's setting beyond bf16 FULL_SHARD, given to ours and FSDP2 alike."""
+
+    suffix: str
+    """Of the row's name: <model>_bf16<suffix>."""
+    checkpointing: bool = False
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """compile / float8: trainer.speed.apply_speed_levers on both (FSDP2's blocks compiled and
+    converted the same way, before fully_shard)."""
+    offload: str = "none"
+    """sharding.offload for ours; FSDP2 gets CPUOffloadPolicy(pin_memory=True) for "params"."""
+    warmup: Optional[int] = None
+    steps: Optional[int] = None
+    """None: the setup's. Compiling happens in the first step (untimed); an offloaded 1b steps
+    AdamW on the host (seconds a step), so it times fewer."""
+
+
+PLAIN = (Lever(""), Lever("_ac", checkpointing=True))
+"""The rows of every model: bf16 FULL_SHARD without and with activation checkpointing."""
+LEVERS = (
+    Lever("_compile", train=TrainConfig(compile=True), warmup=3, steps=12),
+    Lever(
+        "_compile_float8",
+        train=TrainConfig(compile=True, float8=True, float8_recipe="tensorwise"),
+        warmup=3,
+        steps=12,
+    ),
+    Lever("_offload_params", offload="params", warmup=1, steps=3),
+)
+"""--levers (1b on the GPU; the CPU dry run takes one compiled row, by aot_eager): the
+compiled and the Float8 rows of issue 27, and issue 28's parameter offload."""
+
+
 @dataclass
 class Measured:
     """One contestant's timed steps."""
@@ -115,6 +167,8 @@ class Measured:
     """CUDA: the caching allocator's reserved high-water above its start (None on the CPU)."""
     exposed_ms: Optional[float] = None
     """Median engine comm/exposed_ms; None for FSDP2 (it has no such figure)."""
+    compile_s: Optional[float] = None
+    """The first step's time over the median step's: with compile, the compiling (seconds)."""
 
 
 class MemoryWatch:
@@ -158,10 +212,19 @@ class Ours:
     name = "ours"
 
     def __init__(
-        self, mcfg: ModelConfig, sharding: ShardingConfig, optim: OptimConfig, device, init
+        self,
+        mcfg: ModelConfig,
+        sharding: ShardingConfig,
+        optim: OptimConfig,
+        device,
+        init,
+        train: TrainConfig = TrainConfig(),
+        backend: str = "inductor",
     ):
+        model = build_model(mcfg, device="meta")
+        apply_speed_levers(model, train, device, backend)  # as the loop does, before the engine
         self.model = parallelize(
-            build_model(mcfg, device="meta"),
+            model,
             sharding,
             build_mesh(sharding, 0, 1),
             device,
@@ -187,9 +250,17 @@ class FSDP2:
     name = "fsdp2"
 
     def __init__(
-        self, mcfg: ModelConfig, sharding: ShardingConfig, optim: OptimConfig, device, init
+        self,
+        mcfg: ModelConfig,
+        sharding: ShardingConfig,
+        optim: OptimConfig,
+        device,
+        init,
+        train: TrainConfig = TrainConfig(),
+        backend: str = "inductor",
     ):
         model = build_model(mcfg, device="meta")
+        apply_speed_levers(model, train, device, backend)  # the same blocks as ours
         model.to_empty(device=device)
         model.load_state_dict(init)
         if sharding.activation_checkpointing:
@@ -199,15 +270,21 @@ class FSDP2:
         mp = MixedPrecisionPolicy(
             param_dtype=sharding.param_dtype.torch, reduce_dtype=sharding.reduce_dtype.torch
         )
-        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        # Backward starts with the head: keeping it gathered saves a re-gather (torchtitan).
-        fully_shard(
-            [model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False
+        offloaded = str(sharding.offload) == "params"
+        kw = dict(
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=CPUOffloadPolicy(pin_memory=True) if offloaded else OffloadPolicy(),
         )
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(model.tok_embeddings, **kw)
+        for block in model.layers:
+            fully_shard(block, **kw)
+        # Backward starts with the head: keeping it gathered saves a re-gather (torchtitan).
+        fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
+        fully_shard(model, **kw)
         self.model = model
+        if offloaded:  # its sharded parameters and their optimizer live on the host
+            device = torch.device("cpu")
         decay = [p for p in model.parameters() if p.ndim >= 2]  # build_optimizer's rule
         rest = [p for p in model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -265,7 +342,7 @@ def measure(contestant, setup: Setup, optim: OptimConfig, x, y, device) -> Measu
     rate follows the loop's schedule (warmup, cosine) over the steps run."""
     tokens = x.numel()
     total = setup.warmup + setup.steps
-    times, exposed, first = [], [], math.nan
+    times, exposed, first, first_s = [], [], math.nan, 0.0
     for i in range(total):
         set_lr(contestant.optimizer, lr_at(optim, total, i))
         sync(device)
@@ -274,7 +351,7 @@ def measure(contestant, setup: Setup, optim: OptimConfig, x, y, device) -> Measu
         sync(device)
         t1 = time.perf_counter()
         if i == 0:
-            first = float(loss)
+            first, first_s = float(loss), t1 - t0
         if i >= setup.warmup:
             times.append(t1 - t0)
             e = contestant.exposed_ms()
@@ -284,17 +361,18 @@ def measure(contestant, setup: Setup, optim: OptimConfig, x, y, device) -> Measu
         step_ms=1000 * statistics.median(times),
         first_loss=first,
         exposed_ms=statistics.median(exposed) if exposed else None,
+        compile_s=first_s - statistics.median(times),
     )
 
 
-def contest(cls, setup: Setup, sharding: ShardingConfig, init, x, y, device) -> Measured:
+def contest(cls, setup: Setup, sharding: ShardingConfig, init, x, y, device, **levers) -> Measured:
     """Build one contestant from nothing (the peak counts from here, above what is allocated
     already), train it, free it: the engine frees a dropped model (tests/fsdp/test_no_leak.py),
     so the next contestant starts from the same memory."""
     optim = OptimConfig()
     free(device)
     with MemoryWatch(device) as mem:
-        contestant = cls(model_config(setup.model), sharding, optim, device, init)
+        contestant = cls(model_config(setup.model), sharding, optim, device, init, **levers)
         try:
             m = measure(contestant, setup, optim, x, y, device)
         finally:
@@ -338,17 +416,37 @@ def device_memory(device: torch.device) -> int:
 ORDERS = ("ours,fsdp2", "fsdp2,ours")
 
 
-def run(setup: Setup, checkpointing: bool, init, device, order: str = ORDERS[0]) -> dict:
+def run(
+    setup: Setup, lever: Lever, init, device, order: str = ORDERS[0], backend: str = "inductor"
+) -> dict:
     """Ours and FSDP2 on one model and setting, in `order`: the row of the table, as a dict."""
     mcfg = model_config(setup.model)
     sharding = ShardingConfig(
-        strategy="FULL_SHARD", param_dtype="bfloat16", activation_checkpointing=checkpointing
+        strategy="FULL_SHARD",
+        param_dtype="bfloat16",
+        activation_checkpointing=lever.checkpointing,
+        offload=lever.offload,
+    )
+    setup = replace(
+        setup,
+        warmup=setup.warmup if lever.warmup is None else lever.warmup,
+        steps=setup.steps if lever.steps is None else lever.steps,
     )
     x, y = fixed_batch(mcfg, setup, device)
-    name = f"{setup.model}_bf16" + ("_ac" if checkpointing else "")
+    name = f"{setup.model}_bf16{lever.suffix}"
     measured = {}
     for who in order.split(","):
-        measured[who] = contest(CONTESTANTS[who], setup, sharding, init, x, y, device)
+        measured[who] = contest(
+            CONTESTANTS[who],
+            setup,
+            sharding,
+            init,
+            x,
+            y,
+            device,
+            train=lever.train,
+            backend=backend,
+        )
         report(name, who, measured[who])
     ours, ref = measured["ours"], measured["fsdp2"]
     planned = job_plan(mcfg, sharding, setup, device_memory(device))
@@ -358,7 +456,12 @@ def run(setup: Setup, checkpointing: bool, init, device, order: str = ORDERS[0])
     return dict(
         run=name,
         model=setup.model,
-        activation_checkpointing=checkpointing,
+        activation_checkpointing=lever.checkpointing,
+        compile=lever.train.compile,
+        float8=lever.train.float8_recipe if lever.train.float8 else None,
+        offload=lever.offload,
+        compile_s=ours.compile_s,
+        fsdp2_compile_s=ref.compile_s,
         batch=setup.batch,
         seq_len=setup.seq_len,
         timed_steps=setup.steps,
@@ -407,6 +510,7 @@ COLUMNS = (
     ("FSDP2 GiB", "fsdp2_peak_gib", "{:>9.2f}"),
     ("reserved", "reserved_gib", "{:>8.2f}"),
     ("exposed ms", "exposed_comm_ms", "{:>10.2f}"),
+    ("compile s", "compile_s", "{:>9.1f}"),
     ("loss diff", "loss_rel_diff_vs_fsdp2", "{:>9.1e}"),
 )
 
@@ -427,7 +531,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def headline(rows: list[dict], device: torch.device, seconds: float) -> dict:
+def headline(
+    rows: list[dict], device: torch.device, seconds: float, skipped: Optional[dict] = None
+) -> dict:
     out = dict(
         benchmark="gpu_check",
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -456,6 +562,8 @@ def headline(rows: list[dict], device: torch.device, seconds: float) -> dict:
         )
         for r in rows
     }
+    out["compile_s"] = {r["run"]: r["compile_s"] for r in rows if r["compile"]}
+    out["skipped"] = skipped or {}
     out["runs"] = rows
     out["elapsed_s"] = seconds
     return out
@@ -514,6 +622,11 @@ def parse_args(argv=None):
         "--quick", action="store_true", help="the tiny model, a few steps (the CPU smoke test)"
     )
     p.add_argument("--models", default="125m,1b", help="of 125m,1b (ignored with --quick)")
+    p.add_argument(
+        "--levers",
+        action="store_true",
+        help="the compiled, Float8 and parameter-offload rows instead of bf16 and bf16 + AC",
+    )
     p.add_argument("--order", choices=ORDERS, default=ORDERS[0], help="who runs first in a row")
     p.add_argument(
         "--rows-file", type=Path, help="rewrite this JSON file with the rows after each row"
@@ -536,14 +649,21 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
-    rows = []
+    rows, skipped = [], {}
+    # The CPU dry run compiles with aot_eager (inductor's C++ would take minutes on 2 cores).
+    compiler = "aot_eager" if args.quick else "inductor"
     try:
         for setup in todo:
             init = initial_state(model_config(setup.model))
-            for checkpointing in (False, True):
-                rows.append(run(setup, checkpointing, init, device, args.order))
+            for lever in levers(args):
+                why = unavailable(lever, device)
+                if why:
+                    skipped[f"{setup.model}_bf16{lever.suffix}"] = why
+                    print(f"{setup.model}_bf16{lever.suffix}: skipped: {why}", flush=True)
+                    continue
+                rows.append(run(setup, lever, init, device, args.order, compiler))
                 if args.rows_file:  # a stage killed later keeps the rows done
-                    write_rows(args.rows_file, rows, device, time.perf_counter() - t0)
+                    write_rows(args.rows_file, rows, device, time.perf_counter() - t0, skipped)
             del init
     finally:
         dist.destroy_process_group()
@@ -551,16 +671,38 @@ def main(argv=None) -> int:
     failed = problems(rows)
     for line in failed:
         print(f"FAILED {line}", flush=True)
-    head = headline(rows, device, time.perf_counter() - t0)
+    head = headline(rows, device, time.perf_counter() - t0, skipped)
     if args.rows_file:
-        write_rows(args.rows_file, rows, device, head["elapsed_s"], failed)
+        write_rows(args.rows_file, rows, device, head["elapsed_s"], skipped, failed)
     print(json.dumps(head), flush=True)
     return 1 if failed else 0
 
 
-def write_rows(path: Path, rows: list, device, seconds: float, failed=None) -> None:
+def levers(args) -> tuple[Lever, ...]:
+    """The rows to run per model: --levers the LEVERS, else PLAIN; --quick both kinds, with one
+    compiled row (compiled + Float8 where torchao is installed, else compiled alone) to keep the
+    CPU dry run short."""
+    if args.quick:
+        f8 = importlib.util.find_spec("torchao") is not None
+        return PLAIN + tuple(x for x in LEVERS if x.offload != "none" or x.train.float8 == f8)
+    return LEVERS if args.levers else PLAIN
+
+
+def unavailable(lever: Lever, device: torch.device) -> Optional[str]:
+    """Why this machine cannot run the row (a skip, not a failure), or None."""
+    if lever.offload == "params" and device.type != "cuda":
+        return "parameter offload is measured on CUDA (pinned host memory, the copy stream)"
+    if lever.train.float8:
+        try:
+            check_float8(lever.train, device)
+        except ConfigError as e:  # torchao missing (the float8 extra), or a GPU below sm_89
+            return str(e)
+    return None
+
+
+def write_rows(path: Path, rows: list, device, seconds: float, skipped: dict, failed=None) -> None:
     """The headline so far; `failed` (None until the end) says whether the run finished."""
-    out = headline(rows, device, seconds)
+    out = headline(rows, device, seconds, skipped)
     out["finished"] = failed is not None
     out["failed"] = failed or []
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -76,6 +76,10 @@ def checked_config(
         HFWeights(cfg.model.hf_path, cfg.model)
     if resume:  # before the data's checks: another model's vocabulary is no news then
         check_resume_model(cfg)
+    if cfg.train.float8:  # torchao missing or a bad recipe: before any worker starts
+        from trainer.speed import check_float8  # noqa: PLC0415 -- torch: only when asked for
+
+        check_float8(cfg.train)
     plan = plan_and_check(cfg)
     if resume:
         preflight_resume(cfg.checkpoint_root, cfg, data_identity(cfg, plan.digest))

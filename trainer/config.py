@@ -462,7 +462,8 @@ class TrainConfig:
     null: on from a vocabulary of 16,384 up, in chunks of about 256 MiB of fp32 logits (512
     tokens at 128k); 0: off (the plain loss); N: chunks of N tokens."""
     float8: bool = False
-    """torchao's Float8 linear layers inside the blocks (CUDA, sm_89 or newer)."""
+    """torchao's Float8 linear layers inside the blocks (CUDA sm_89 or newer; on the CPU torchao's
+    emulation, for tests; needs the `float8` extra: pip install 'elastic-fsdp[float8]')."""
     float8_recipe: str = "tensorwise"
     """Float8 scaling: tensorwise or rowwise."""
     max_bad_steps: int = 3

@@ -140,8 +140,14 @@ class Trainer:
         # Weights that a checkpoint or a Hugging Face model will overwrite are not initialised.
         self.resuming = bool(ctx.resume_from) or has_checkpoint(ctx.checkpoint_root)
         fills = self.resuming or bool(cfg.model.hf_path)
+        model = build_model(cfg.model, device="meta")
+        self.speed = None  # train.compile / train.float8 (trainer/speed.py), before wrapping
+        if t.compile or t.float8:
+            from trainer.speed import apply_speed_levers  # noqa: PLC0415 -- only when asked for
+
+            self.speed = apply_speed_levers(model, t, self.device)
         self.model = parallelize(
-            build_model(cfg.model, device="meta"),
+            model,
             cfg.sharding,
             self.mesh,
             self.device,
@@ -244,6 +250,8 @@ class Trainer:
             if self.ctx.before_step is not None:
                 self.ctx.before_step(self.step)
             loss, norm, bad = self.train_step()
+            if self.speed is not None and self.step == self.result.start_step + 1:
+                print0(self.speed.describe())  # compiling happened in this first step
             self.guard.push(self.step - 1, loss, bad)
             if self.report.due(self.step, self.eval_due()):
                 self.log_step(norm)

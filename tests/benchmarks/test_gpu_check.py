@@ -1,9 +1,12 @@
 """`python -m benchmarks.gpu_check --device cpu --quick` runs the GPU check's code path end to end
-(tiny model, gloo, ours and FSDP2 without and with activation checkpointing) and ends with its
-JSON line. Not a timing test: it proves the check builds, trains, plans and reports, so the one
-run on a GPU machine is not the first.
+(tiny model, gloo, ours and FSDP2 without and with activation checkpointing, compiled (by
+aot_eager here), compiled with Float8 (torchao's emulation, when torchao is installed); the
+parameter-offload row is CUDA's and is skipped) and ends with its JSON line. Not a timing test:
+it proves the check builds, trains, plans and reports, so the one run on a GPU machine is not the
+first.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,7 +21,9 @@ import torch.distributed as dist
 from benchmarks import gpu_check, gpu_stages
 
 ROOT = Path(__file__).resolve().parents[2]
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 RUNS = ("tiny_bf16", "tiny_bf16_ac")
+RUNS += ("tiny_bf16_compile_float8",) if HAS_TORCHAO else ("tiny_bf16_compile",)
 
 
 def quick(order: str) -> dict:
@@ -30,7 +35,7 @@ def quick(order: str) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,  # generous: other runs load the machine (4 rows took 9.6 min at load 20)
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
@@ -55,6 +60,19 @@ def test_gpu_check_quick_run_on_cpu_ends_with_headline_json(both_orders):
         assert head["exposed_comm_ms"][run] == 0.0  # world size 1: no collective is issued
         # same weights, batch and bf16 compute: the first losses agree
         assert head["loss_rel_diff_vs_fsdp2"][run] <= gpu_check.LOSS_TOLERANCE
+    assert set(head["compile_s"]) == {r for r in RUNS if "compile" in r}
+    assert "tiny_bf16_offload_params" in head["skipped"]  # CUDA's row
+
+
+def test_a_float8_row_without_torchao_is_skipped_naming_the_extra(monkeypatch):
+    import importlib.util as util
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))
+    float8 = next(x for x in gpu_check.LEVERS if x.train.float8)
+    why = gpu_check.unavailable(float8, torch.device("cpu"))
+    assert why and "elastic-fsdp[float8]" in why
+    assert gpu_check.unavailable(gpu_check.LEVERS[0], torch.device("cpu")) is None
 
 
 def test_each_rows_peak_is_its_own_whoever_ran_first(both_orders):
@@ -122,9 +140,22 @@ def test_a_stage_with_too_little_budget_left_is_skipped_not_started(tmp_path, mo
 
 
 def test_the_stages_are_the_ones_the_issue_lists_in_order_within_the_budget():
-    names = [s.name for s in gpu_stages.stages(("125m", "1b"))]
-    assert names == ["env", "leak", "tests", "threaded", "bench_125m", "bench_1b"]
-    assert gpu_stages.BUDGET_S <= 8 * 60
+    """The lever rows (compile, Float8, parameter offload) run last, in a stage of their own;
+    10 minutes in all leave the lent H200's 15 for its start and the transfers."""
+    stages = gpu_stages.stages(("125m", "1b"))
+    names = [s.name for s in stages]
+    assert names == [
+        "env",
+        "leak",
+        "tests",
+        "threaded",
+        "bench_125m",
+        "bench_1b",
+        "bench_1b_levers",
+    ]
+    assert [s.number for s in stages] == list(range(1, 8))
+    assert "--levers" in stages[-1].argv
+    assert gpu_stages.BUDGET_S <= 10 * 60
 
 
 def test_the_leak_stage_builds_steps_and_drops_every_contestant(monkeypatch):

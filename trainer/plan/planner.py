@@ -227,7 +227,8 @@ def plan(
     lay = layout(model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype)
     chunk = cfg.train.loss_chunk_tokens
     acts = {
-        ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk) for ac in (False, True)
+        ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk)
+        for ac in (False, True)
     }
     timelines = {ac: step_timeline(lay, sh, a, micro) for ac, a in acts.items()}
     timeline = timelines[bool(sh.activation_checkpointing)]
