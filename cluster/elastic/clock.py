@@ -16,6 +16,7 @@ from typing import Optional
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
+from cluster.elastic.cluster_view import release_dead_launch_request
 from cluster.run.folder import RunFolder
 
 CLOCK = "controller_clock.json"
@@ -33,6 +34,9 @@ class RestartClock(ControllerCallback, WorkerGroupCallback):
         self.folder, self.launch_id = folder, launch_id
         self._times: dict[str, Optional[float]] = {}
         self._off = False
+
+    def after_controller_start(self, train_run_context) -> None:
+        release_dead_launch_request(self.folder, self.launch_id, train_run_context.run_id)
 
     def before_controller_execute_failure_decision(self, failure_decision, *args, **kwargs):
         self._times.setdefault("decided", time.time())

@@ -221,6 +221,42 @@ class ClusterView(ControllerCallback):
             )
 
 
+REQUEST_RECORD = "coordinator_request.json"
+"""elastic/coordinator_request.json: the requester id under which this run's current launch asks
+Ray's AutoscalingCoordinator for its workers' resources (Ray Train: train-<run id>)."""
+
+
+def release_dead_launch_request(folder, launch_id: str, run_id: str, log=print) -> Optional[str]:
+    """In the controller, as a launch starts: cancel the coordinator request of the run's previous
+    launch, then record this one's. A launch that ends cancels its own request; a driver that was
+    killed cannot, and its request keeps the resources of its workers reserved for 180 s
+    (Ray Train's AUTOSCALING_REQUESTS_EXPIRE_TIME_S): a relaunch sized from the coordinator's view
+    got 1 of 3 workers (seen in CI after a driver SIGKILL). This launch holds the run lease, so
+    any earlier launch of the run is gone. Returns the requester cancelled, if any; never
+    raises."""
+    mine = f"train-{run_id}"
+    cancelled = None
+    try:
+        prev = folder.read(REQUEST_RECORD)
+        if prev and prev.get("launch") != launch_id and prev.get("requester") not in (None, mine):
+            actor = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+            ray.get(actor.cancel_request.remote(requester_id=prev["requester"]), timeout=5)
+            cancelled = prev["requester"]
+            log(
+                f"elastic: released the resources the previous launch {prev['launch']} had "
+                f"reserved with Ray ({cancelled}): it is gone",
+                flush=True,
+            )
+        folder.write(REQUEST_RECORD, {"launch": launch_id, "requester": mine})
+    except Exception as e:  # never fail the run over it: the request expires by itself
+        log(
+            f"elastic: could not release the previous launch's resource request "
+            f"({type(e).__name__}: {e}); it expires within 180 s",
+            flush=True,
+        )
+    return cancelled
+
+
 def usable_nodes() -> list[dict]:
     """ray.nodes() entries of the alive nodes not being drained."""
     draining = set(ray._private.state.state.get_draining_nodes())

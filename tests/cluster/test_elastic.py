@@ -330,9 +330,21 @@ DRIVER_STEPS = 150
 
 
 @pytest.fixture(scope="module")
-def driver_killed(cluster, prepared, tmp_path_factory):
+def driver_killed(prepared, tmp_path_factory):
     """A RayJob's submitter dies (the head pod restarts): `python -m cluster.train` SIGKILLed
-    mid-run, the same command relaunched at once with one worker instead of two."""
+    mid-run at 2 workers, relaunched at once as an elastic run of up to 3 on a 3-node cluster of
+    its own. The killed launch's resource request stays reserved in Ray's AutoscalingCoordinator
+    for 180 s unless the relaunch releases it (elastic/cluster_view.py): without that, the
+    relaunch started 1 worker of 3 (seen in CI)."""
+    cluster = LocalCluster(head_cpus=1)
+    try:
+        cluster.add_nodes(2)
+        yield from _driver_killed(cluster, prepared, tmp_path_factory)
+    finally:
+        cluster.close()
+
+
+def _driver_killed(cluster, prepared, tmp_path_factory):
     kill_after = drill_rng("driver").randint(30, 70)
     launch = tmp_path_factory.mktemp("driver")
     run_dir = launch / "runs" / "driver"
@@ -355,11 +367,12 @@ def driver_killed(cluster, prepared, tmp_path_factory):
     first.proc.wait()
     killed_at = time.time()
     trained_before = attempts(run_dir)[-1]["last_step"]
-    again = start_cli(launch, cluster.address, *args, "cluster.num_workers=1", name="again")
+    elastic = ("cluster.min_workers=1", "cluster.max_workers=3")
+    again = start_cli(launch, cluster.address, *args, *elastic, name="again")
     resumed = wait_until(
         lambda: (
             (a := attempts(run_dir))
-            and a[-1]["world_size"] == 1
+            and a[-1]["launch"] != a[0]["launch"]
             and a[-1]["start_step"] is not None
             and a[-1]
         ),
@@ -371,14 +384,18 @@ def driver_killed(cluster, prepared, tmp_path_factory):
     rc = again.wait(RUN_TIMEOUT)
     start = resumed["start_step"]
     reference = reference_for(
-        DRIVER_STEPS, prepared, [(2, start), (1, None)], tmp_path_factory.mktemp("ref-driver")
+        DRIVER_STEPS,
+        prepared,
+        [(2, start), (resumed["world_size"], None)],
+        tmp_path_factory.mktemp("ref-driver"),
     )
     print(
         f"driver killed after step {trained_before}: relaunch resumed at step {start}, "
         f"first step {first_step_s:.1f} s after the kill"
     )
-    return dict(
+    yield dict(
         launch=launch,
+        world=resumed["world_size"],
         rc=rc,
         out=again.output(),
         start=start,
@@ -397,6 +414,8 @@ def test_a_killed_driver_s_relaunch_takes_the_run_at_once_and_resumes_at_another
         "the dead driver's lease is taken over at once, and the relaunch says so"
     )
     assert "is held by" not in r["out"]
+    assert r["world"] == 3, "the relaunch has the whole cluster: the dead launch's reservation went"
+    assert "elastic: released the resources the previous launch" in r["out"]
     # The newest durable checkpoint at least (the keepers' snapshots may have died with the
     # driver's job): never older than the last periodic checkpoint before the kill.
     assert (r["trained_before"] + 1) - 20 <= r["start"] <= r["trained_before"] + 1
@@ -411,7 +430,7 @@ def test_a_killed_driver_s_run_has_the_loss_curve_of_an_uninterrupted_one(driver
     after = dict(history(r["launch"], second_run, "train/loss"))
     assert sorted(after) == list(range(r["start"], DRIVER_STEPS))
     assert_matches_reference(before, r["reference"], "before the kill (at world size 2)")
-    assert_matches_reference(after, r["reference"], "after the relaunch (at world size 1)")
+    assert_matches_reference(after, r["reference"], "after the relaunch (at world size 3)")
     assert r["reference"][DRIVER_STEPS - 1] < r["reference"][0]
 
 

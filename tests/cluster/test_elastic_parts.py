@@ -759,3 +759,36 @@ def test_the_controller_warms_only_the_nodes_that_joined_since_the_group_started
         SimpleNamespace(num_workers=3, resources_per_worker={"CPU": 1.0})
     )
     assert seen == [{"n2": 1, "n3": 1}]
+
+
+def test_a_relaunch_releases_the_resources_a_killed_launch_had_reserved(tmp_path, monkeypatch):
+    """A killed driver's Ray Train request stays in Ray's AutoscalingCoordinator for 180 s,
+    reserving its workers' resources: the next launch of the run cancels it as its controller
+    starts (it holds the run lease: the earlier launch is gone), then records its own; its own
+    request, or another's record of this launch, is never cancelled."""
+    cancelled = []
+
+    class Coordinator:
+        class cancel_request:  # noqa: N801 -- mimics an actor method handle
+            @staticmethod
+            def remote(requester_id):
+                cancelled.append(requester_id)
+                return requester_id
+
+    monkeypatch.setattr(cluster_view.ray, "get_actor", lambda name, namespace: Coordinator)
+    monkeypatch.setattr(cluster_view.ray, "get", lambda ref, timeout=None: ref)
+    folder = RunFolder.at(str(tmp_path / "elastic"))
+    lines = []
+    log = lambda line, **kw: lines.append(line)  # noqa: E731
+    assert cluster_view.release_dead_launch_request(folder, "A", "run1", log) is None  # first
+    assert folder.read(cluster_view.REQUEST_RECORD) == {"launch": "A", "requester": "train-run1"}
+    # A restart of launch A's controller (same launch): nothing cancelled.
+    assert cluster_view.release_dead_launch_request(folder, "A", "run1b", log) is None
+    # Launch B after A was killed: A's request goes.
+    assert cluster_view.release_dead_launch_request(folder, "B", "run2", log) == "train-run1b"
+    assert cancelled == ["train-run1b"] and "previous launch A" in lines[-1]
+    assert folder.read(cluster_view.REQUEST_RECORD)["requester"] == "train-run2"
+    # Ray unreachable: logged, never raised.
+    monkeypatch.setattr(cluster_view.ray, "get_actor", lambda *a, **k: 1 / 0)
+    assert cluster_view.release_dead_launch_request(folder, "C", "run3", log) is None
+    assert "expires within 180 s" in lines[-1]
