@@ -47,6 +47,7 @@ from tests.fsdp.scaffold import MODEL
 from trainer.config import (
     ConfigError,
     DataConfig,
+    OptimConfig,
     ShardingConfig,
     TrainConfig,
     model_config,
@@ -55,6 +56,7 @@ from trainer.data import rank_range
 from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp import mesh as fsdp_mesh
 from trainer.model import build_model, count_params, initializer, loss_sum
+from trainer.optim import build_optimizer
 from trainer.plan import (
     Headroom,
     check_fits,
@@ -104,7 +106,10 @@ def _train_two_steps(rank: int, world: int, cfg: JobConfig) -> dict:
     fsdp = parallelize(
         build_model(cfg.model, device="meta"), cfg.sharding, mesh, "cpu", init_fn=initializer(0)
     )
-    opt = torch.optim.AdamW(fsdp.param_groups(0.1), lr=1e-3, foreach=False)
+    if cfg.optim.state_dtype != "float32" or cfg.sharding.master_dtype.value != "float32":
+        opt = build_optimizer(fsdp, cfg.optim)  # the levers' own AdamW (trainer/optim.py)
+    else:
+        opt = torch.optim.AdamW(fsdp.param_groups(0.1), lr=1e-3, foreach=False)
     b, t, micro = cfg.train.global_batch_size, cfg.data.seq_len, cfg.train.micro_batches
     lo, hi = rank_range(b, world, rank)
     tokens = torch.randint(
@@ -282,6 +287,10 @@ TOTAL_JOBS = [
         micro_batches=2,
     ),
     job(model=MID, global_batch=2, seq_len=128, strategy="FULL_SHARD"),
+    dataclasses.replace(  # the memory levers of issue 28: bf16 moments and a bf16 master
+        job(model=MID, global_batch=2, seq_len=128, strategy="FULL_SHARD", master_dtype="bfloat16"),
+        optim=OptimConfig(state_dtype="bfloat16"),
+    ),
     job(
         model=MID,
         global_batch=2,
@@ -309,7 +318,8 @@ def test_planned_peak_is_within_15_percent_of_a_real_cpu_step(world2):
         line = (
             f"{cfg.model.dim}x{cfg.model.n_layers} {cfg.sharding.strategy} "
             f"{cfg.sharding.param_dtype} ckpt={cfg.sharding.activation_checkpointing} "
-            f"micro={cfg.train.micro_batches}: planned "
+            f"micro={cfg.train.micro_batches} master={cfg.sharding.master_dtype} "
+            f"moments={cfg.optim.state_dtype}: planned "
             f"{p.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {ratio:.3f}"
             f" (rises {[round(x / 2**20, 1) for x in r['rss_rises']]} MiB)"
         )
