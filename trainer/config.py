@@ -147,6 +147,13 @@ FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral")
 """model.family's values (trainer/hf/ maps each to and from its Hugging Face config)."""
 
 
+def _llama3(name: str, **shape) -> ModelConfig:
+    """A Llama 3 shape: its 128k vocabulary, 8 key/value heads, 8k context and rope theta."""
+    return ModelConfig(
+        name=name, vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0, **shape
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     # ~3.5M parameters: tests and CPU runs.
     "tiny": ModelConfig(),
@@ -155,41 +162,11 @@ PRESETS: dict[str, ModelConfig] = {
         name="125m", vocab_size=32000, dim=768, n_layers=12, n_heads=12, ffn_dim=2048
     ),
     # Llama 3.2 1B shapes (embeddings untied here, so ~1.50B rather than Meta's tied 1.24B).
-    "1b": ModelConfig(
-        name="1b",
-        vocab_size=128256,
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=8192,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
+    "1b": _llama3("1b", dim=2048, n_layers=16, n_heads=32, ffn_dim=8192),
     # Llama 3 8B shapes (8.03B parameters).
-    "8b": ModelConfig(
-        name="8b",
-        vocab_size=128256,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
+    "8b": _llama3("8b", dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
     # Llama 3 70B shapes (70.6B parameters): `python -m cluster.plan model=70b` before renting.
-    "70b": ModelConfig(
-        name="70b",
-        vocab_size=128256,
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim=28672,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
+    "70b": _llama3("70b", dim=8192, n_layers=80, n_heads=64, ffn_dim=28672),
     # A Hugging Face Llama checkpoint: model=hf model.hf_path=... (the shape is its config.json's).
     "hf": ModelConfig(name="hf", hf_path=""),
 }
