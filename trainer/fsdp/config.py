@@ -160,7 +160,7 @@ class ShardingConfig:
 
     def validate(self) -> None:
         if self.master_dtype is DType.float16:
-            fail("sharding.master_dtype", self.master_dtype, "float32 or bfloat16")
+            fail("sharding.master_dtype", str(self.master_dtype), "float32 or bfloat16")
         for key in ("max_gathers_in_flight", "max_reductions_in_flight"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
