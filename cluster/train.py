@@ -101,7 +101,7 @@ def run_job(dictcfg: DictConfig, slot: Optional[JobSlot]) -> Optional[dict]:
         adopt_run(cfg, lease, run_id)
         startup.done("MLflow")
         try:
-            result = fit(cfg, run_id, data.uri, lease.holder.launch_id, startup)
+            result = fit(cfg, run_id, data.uri, lease.holder.launch_id, startup, died_before(lease))
             fatal = fatal_error(cfg.cluster, lease.holder.launch_id)
         except Exception:  # the summary and the curve of what it logged, then FAILED
             if run_id:
@@ -293,6 +293,7 @@ def fit(
     data_dir: str,
     launch_id: str,
     startup: Optional[Startup] = None,
+    previous_launch_id: Optional[str] = None,
 ):
     """Run the TorchTrainer to completion; Ray retries failures up to cluster.max_failures (the
     workers end cleanly on errors a retry would repeat: cluster/run/fatal.py)."""
@@ -306,14 +307,30 @@ def fit(
         data_dir=data_dir,
         launch_id=launch_id,
         startup=startup.handed_over() if startup else None,
+        previous_launch_id=previous_launch_id if snapshots_on(cfg) else None,
     )
+    if launch.previous_launch_id:
+        print(
+            f"snapshots: the previous launch {previous_launch_id} ended without stopping its "
+            "keepers; the resume also reads their snapshots"
+        )
     trainer = build_trainer(cfg, worker_config(job_to_dict(cfg), launch))
     try:
         result = trainer.fit()
-    finally:  # the in-memory snapshots live as long as this launch
-        stop_snapshot_keepers(cfg, launch_id)
+    finally:  # the in-memory snapshots live as long as this launch (an inherited one's too)
+        for launch_of in filter(None, (launch_id, launch.previous_launch_id)):
+            stop_snapshot_keepers(cfg, launch_of)
     wait_for_workers_output(launch_id)  # their last lines before the closing note (or next job)
     return result
+
+
+def died_before(lease: RunLease) -> Optional[str]:
+    """The launch id of the run's previous launch if it ended without releasing its lease (its
+    driver killed, or lost with its node); its detached snapshot keepers outlived it."""
+    prev = lease.previous
+    if prev is None or prev.released or prev.launch_id == lease.holder.launch_id:
+        return None
+    return prev.launch_id
 
 
 def stop_snapshot_keepers(cfg: JobConfig, launch_id: str) -> None:

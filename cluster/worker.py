@@ -46,6 +46,10 @@ class LaunchInfo:
     startup: Optional[dict] = None
     """The driver's start-up phases (cluster/train.py Startup.handed_over): rank 0 of the
     launch's first worker group prints them with its own when its first step is done."""
+    previous_launch_id: Optional[str] = None
+    """The run's previous launch when it died without ending (its lease taken over, not
+    released: a killed driver). Its snapshot keepers (detached) still hold its newest state:
+    the resume reads them too, and this launch stops them once its own state is committed."""
 
 
 REPORT_SLOW_S = 10.0
@@ -147,6 +151,8 @@ def train_loop_per_worker(config: dict) -> None:
         after_step=after_steps(tracker.on_step, node_metrics and node_metrics.on_step),
         may_write=LeaseGuard(ray_run_folder(context.get_storage()), launch.launch_id),
         snapshot_root=snapshot_root(cfg, launch),
+        inherited_snapshots=inherited_snapshots(cfg, launch),
+        release_inherited=release_inherited(cfg, launch) if rank == 0 else None,
     )
     try:
         with training():
@@ -213,6 +219,38 @@ def snapshot_root(cfg, launch: LaunchInfo) -> Optional[str]:
     key = keepers.run_key_of(cfg.cluster.run_name, launch.launch_id)
     keepers.ensure_keeper(key, ray.get_runtime_context().get_node_id())
     return f"{keeper_fs.SCHEME}://{key}/snapshots"
+
+
+def inherited_snapshots(cfg, launch: LaunchInfo) -> Optional[str]:
+    """The previous launch's snapshot root when it died without ending (LaunchInfo
+    .previous_launch_id), for the resume to read; None otherwise or with snapshots off."""
+    if not snapshots_on(cfg) or not launch.previous_launch_id:
+        return None
+    from cluster.snapshots import keeper_fs, keepers  # noqa: PLC0415 -- imports ray
+
+    key = keepers.run_key_of(cfg.cluster.run_name, launch.previous_launch_id)
+    return f"{keeper_fs.SCHEME}://{key}/snapshots"
+
+
+def release_inherited(cfg, launch: LaunchInfo) -> Optional[Callable[[], None]]:
+    """What stops the previous launch's keepers (and frees the memory of its snapshots) once
+    this launch's own first snapshot or checkpoint is committed."""
+    if not snapshots_on(cfg) or not launch.previous_launch_id:
+        return None
+    from cluster.snapshots import keepers  # noqa: PLC0415 -- imports ray
+
+    previous = launch.previous_launch_id
+    key = keepers.run_key_of(cfg.cluster.run_name, previous)
+
+    def release() -> None:
+        stopped = keepers.stop_keepers(key)
+        if stopped:
+            print0(
+                f"snapshots: stopped the {len(stopped)} keeper(s) of the previous launch "
+                f"{previous} (this launch's own state is committed): their memory is free"
+            )
+
+    return release
 
 
 def stop_node_keeper(cfg, launch: LaunchInfo) -> Callable[[], None]:

@@ -74,6 +74,12 @@ class WorkerContext:
     snapshot_root: Optional[str] = None
     """Where in-memory snapshots go (a pyarrow.fs URI, e.g. the cluster layer's keeper:// on
     peers' memory; cfg.train.snapshot_every says how often); None -> no snapshots."""
+    inherited_snapshots: Optional[str] = None
+    """A previous launch's snapshot root that resume also looks in (read only): the run's last
+    launch died without ending, and its snapshots may be newer than the durable checkpoint."""
+    release_inherited: Optional[Callable[[], None]] = None
+    """Called once on this rank when the inherited snapshots are not needed any more (this
+    launch's own first snapshot or checkpoint committed): the launcher frees their memory."""
     on_checkpoint: Optional[Callable[[str, int], None]] = None
     """(checkpoint path, step), called on every rank once that step's checkpoint is committed."""
     should_stop: Optional[Callable[[], bool]] = None
@@ -175,6 +181,8 @@ class Trainer:
             control=self.control,
             resume_from=ctx.resume_from,
             snapshot_root=ctx.snapshot_root,
+            inherited_snapshots=ctx.inherited_snapshots,
+            release_inherited=ctx.release_inherited,
             on_commit=ctx.on_checkpoint,
             may_write=ctx.may_write,
             log=print0,

@@ -177,3 +177,78 @@ def test_a_snapshot_one_rank_cannot_read_falls_back_on_every_rank_together(cfg, 
     assert f"checkpoint {snaps}/step_000000006 is unusable: OSError: " in second[1]["printed"]
     assert "failed to load on some rank: falling back to an older one" in second[0]["printed"]
     assert f"resumed from {root}/step_000000004" in second[0]["printed"]
+
+
+# ---- a relaunch after a killed driver: the previous launch's snapshots ---------------------------
+
+
+def _train_inheriting(rank, world, cfg, root, snapshots, inherited, marks):
+    """A new launch of the run (its own snapshot root) after one that died without ending:
+    `inherited` is the dead launch's root. Each rank's release call leaves a mark recording
+    which of this launch's own snapshots were committed when it came."""
+    from trainer.loop import WorkerContext, run_training
+
+    def release():
+        own = [i.step for i in list_checkpoints(snapshots) if not i.problem]
+        with open(os.path.join(marks, f"released-{rank}-{time.monotonic_ns()}"), "w") as f:
+            f.write(",".join(map(str, own)))
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        r = run_training(
+            cfg,
+            WorkerContext(
+                rank=rank,
+                world_size=world,
+                checkpoint_root=root,
+                snapshot_root=snapshots,
+                inherited_snapshots=inherited,
+                release_inherited=release if rank == 0 else None,
+            ),
+        )
+    return dict(losses=r.losses, start=r.start_step, printed=out.getvalue())
+
+
+def test_a_relaunch_resumes_from_the_dead_launch_s_snapshot_then_releases_it_once(
+    cfg, uninterrupted, tmp_path
+):
+    """Its driver killed, a launch leaves snapshots (steps 6 and 4) and no durable checkpoint;
+    the relaunch, at another world size, resumes from the dead launch's step 6 instead of
+    starting over, trains the uninterrupted curve, and releases the inherited snapshots once,
+    only after its own first snapshot is committed."""
+    root, dead = crashed_run(cfg, tmp_path, 2, crash_at=7, every=2)
+    mine, marks = str(tmp_path / "relaunch-snapshots"), tmp_path / "marks"
+    marks.mkdir()
+    second = run_distributed(_train_inheriting, 3, cfg, root, mine, dead, str(marks))
+    assert second[0]["start"] == 6, second[0]["printed"][-2000:]
+    assert f"resumed from {dead}/step_000000006" in second[0]["printed"]
+    for step, loss in second[0]["losses"]:
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
+    released = sorted(os.listdir(marks))
+    assert len(released) == 1 and released[0].startswith("released-0-"), released
+    own = (marks / released[0]).read_text().split(",")
+    assert own != [""] and all(int(s) > 6 for s in own), own
+    assert list_checkpoints(dead)[0].step == 6, "the relaunch never writes the dead launch's root"
+
+
+def test_the_relaunch_s_own_snapshots_come_first_and_a_newer_inherited_one_wins(
+    cfg, uninterrupted, tmp_path
+):
+    """Resume orders both roots by step: a group restart within the relaunch, whose own newest
+    snapshot (step 6) is newer than the inherited ones (step 2), takes its own; not the
+    reverse."""
+    cfg.train.snapshot_every = 2
+    root = str(tmp_path / "ckpt")
+    dead, mine = str(tmp_path / "dead"), str(tmp_path / "mine")
+    run_distributed(_train, 2, cfg, root, dead, 3)  # the dead launch: a snapshot of step 2
+    fresh_ranks(2)
+    run_distributed(_train, 2, cfg, root + "-other", mine, 7)  # own snapshots 4 and 6
+    fresh_ranks(2)
+    assert [i.step for i in list_checkpoints(dead)] == [2]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    second = run_distributed(_train_inheriting, 2, cfg, root, mine, dead, str(marks))[0]
+    assert second["start"] == 6
+    assert f"resumed from {mine}/step_000000006" in second["printed"]
+    for step, loss in second["losses"]:
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step

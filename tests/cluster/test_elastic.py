@@ -416,9 +416,17 @@ def test_a_killed_driver_s_relaunch_takes_the_run_at_once_and_resumes_at_another
     assert "is held by" not in r["out"]
     assert r["world"] == 3, "the relaunch has the whole cluster: the dead launch's reservation went"
     assert "elastic: released the resources the previous launch" in r["out"]
-    # The newest durable checkpoint at least (the keepers' snapshots may have died with the
-    # driver's job): never older than the last periodic checkpoint before the kill.
-    assert (r["trained_before"] + 1) - 20 <= r["start"] <= r["trained_before"] + 1
+    # The dead launch's keepers (detached actors) outlived its driver with its newest snapshot:
+    # the relaunch resumes from it (a step or two lost, not up to checkpoint_every), then stops
+    # them once its own first snapshot is committed, freeing their memory.
+    assert "ended without stopping its keepers; the resume also reads their snapshots" in r["out"]
+    assert re.search(rf"resumed from keeper://\S+/step_{r['start']:09d} at step", r["out"])
+    assert r["trained_before"] - 5 <= r["start"] <= r["trained_before"] + 1, (
+        r["trained_before"],
+        r["start"],
+    )
+    stopped = r"snapshots: stopped the [1-9]\d* keeper\(s\) of the previous launch"
+    assert re.search(stopped, r["out"]), "the inherited snapshots' memory is freed"
     assert r["first_step_s"] < 90, "the relaunch trains within one Ray job start"
 
 

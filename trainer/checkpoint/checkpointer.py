@@ -179,6 +179,8 @@ class Checkpointer:
         control: Optional[dist.ProcessGroup] = None,
         resume_from: Optional[str] = None,
         snapshot_root: Optional[str] = None,
+        inherited_snapshots: Optional[str] = None,
+        release_inherited: Optional[Callable[[], None]] = None,
         on_commit: Optional[Callable[[str, int], None]] = None,
         may_write: Optional[Callable[[], Optional[str]]] = None,
         log=print,
@@ -190,6 +192,10 @@ class Checkpointer:
         save barrier gets a gloo group of its own (both None with one rank).
         `resume_from`: a checkpoint to resume from instead of the newest valid one under root.
         `snapshot_root`: where in-memory snapshots go (snapshots.py), or None.
+        `inherited_snapshots`: a previous launch's snapshot root that resume also looks in (it
+        died without ending; its snapshots may be newer than the durable checkpoint), and
+        `release_inherited()`, called once on this rank when this launch no longer needs them:
+        its own first snapshot or durable checkpoint is committed.
         `on_commit(path, step)`: called on every rank once step's checkpoint is committed.
         `may_write()`: None while this run may still write its checkpoints, else why not (the
         cluster layer's run lease: another launch took the run over); asked before each save
@@ -211,10 +217,11 @@ class Checkpointer:
         keep = cfg.train.keep_checkpoints
         self.writer = CheckpointWriter(root, keep=keep, group=barrier_group, commit_guard=may_write)
         self.snapshots = (
-            Snapshots(snapshot_root, cfg.train.snapshot_every, world_size, log)
+            Snapshots(snapshot_root, cfg.train.snapshot_every, world_size, log, inherited_snapshots)
             if snapshot_root and cfg.train.snapshot_every != 0
             else None
         )
+        self._release_inherited = release_inherited if inherited_snapshots else None
         self.start_step = 0
         self.resumed_from: Optional[str] = None
         self.last_committed: Optional[str] = None
@@ -245,6 +252,21 @@ class Checkpointer:
                     step, self._state(step), state_chunks(self.model, self.optimizer), self.rank
                 )
             self.snapshots.blocked_ms = (time.perf_counter() - t0) * 1000.0
+        self._maybe_release_inherited()
+
+    def _maybe_release_inherited(self) -> None:
+        """Once this launch's own state is committed somewhere (a snapshot or a durable
+        checkpoint since the resume), the inherited snapshots are not needed any more."""
+        if self._release_inherited is None:
+            return
+        own_snapshot = self.snapshots is not None and self.snapshots.last_step is not None
+        if not own_snapshot and self.last_committed is None:
+            return
+        release, self._release_inherited = self._release_inherited, None
+        try:
+            release()
+        except Exception as e:  # they are freed at the launch's end anyway
+            self.log(f"snapshots: could not free the inherited ones ({type(e).__name__}: {e})")
 
     def save(self, step: int, loss: Optional[float] = None) -> None:
         """Start an asynchronous save of `step`, recording `loss` (the mean token loss of the
@@ -276,6 +298,7 @@ class Checkpointer:
         self.writer.close()
         if self.snapshots is not None:
             self.snapshots.close()
+        self._maybe_release_inherited()
         return self.last_committed
 
     def check_may_write(self, doing: str) -> None:
@@ -370,7 +393,7 @@ class Checkpointer:
         return None, state
 
     def _is_snapshot(self, path: str) -> bool:
-        return self.snapshots is not None and path.startswith(self.snapshots.root.rstrip("/") + "/")
+        return self.snapshots is not None and self.snapshots.holds(path)
 
     def _adopt(self, path: str, state: TrainerState) -> int:
         """Every rank loaded `path`: take its step, RNG and scaler, and never delete it."""

@@ -6,6 +6,11 @@ filesystem), two generations kept. The Checkpointer takes one at the steps
     snaps = Snapshots(root, every, world_size, log)
     if snaps.due(step, busy): snaps.save(step, state, chunks, rank)
     paths = snaps.newer_than(durable_step, rank, control)   # resume: newest first
+
+A launch may also inherit a root: the snapshots of the run's previous launch, which died without
+ending (its driver killed) while its keepers still hold them. Resume offers those too, newest
+first among both; `inherited_done` says when this launch's own state is safe elsewhere (its
+first snapshot or durable checkpoint committed), so the inherited ones can be freed.
 """
 
 from __future__ import annotations
@@ -31,12 +36,21 @@ class Snapshots:
     (waiting for the previous one if it is still being sent). A snapshot that fails (a keeper
     gone with its node) is reported and the next one is tried: snapshots never stop training.
     Resuming, `newer_than` offers the complete snapshots newer than the newest durable
-    checkpoint, newest first, as rank 0 lists them (all ranks try the same ones, in order)."""
+    checkpoint, newest first, as rank 0 lists them (all ranks try the same ones, in order),
+    from `root` and from `inherited` (a previous launch's root, read only), if given."""
 
     KEEP = 2
 
-    def __init__(self, root: str, every: Optional[int], world_size: int, log=print):
+    def __init__(
+        self,
+        root: str,
+        every: Optional[int],
+        world_size: int,
+        log=print,
+        inherited: Optional[str] = None,
+    ):
         self.root, self.every, self.log = root, every, log
+        self.inherited = inherited if inherited and inherited != root else None
         group = dist.new_group(backend="gloo") if world_size > 1 else None
         if group is not None:  # gloo connects a group at its first collective: not mid-snapshot
             dist.barrier(group=group)
@@ -93,15 +107,23 @@ class Snapshots:
             m["snapshot/blocked_ms"] = self.blocked_ms
         return m
 
+    def holds(self, path: str) -> bool:
+        """`path` is a snapshot (of this launch's or the inherited root), not a durable one."""
+        roots = [self.root] + ([self.inherited] if self.inherited else [])
+        return any(path.startswith(r.rstrip("/") + "/") for r in roots)
+
     def newer_than(self, durable_step: int, rank: int, control) -> list[str]:
-        """Complete snapshots newer than `durable_step`, newest first, as rank 0 sees them."""
+        """Complete snapshots newer than `durable_step`, newest first, as rank 0 sees them:
+        this launch's and the inherited root's (this launch's first at equal steps)."""
         paths: list = [None]
         if rank == 0:
-            try:
-                infos = list_checkpoints(self.root)
-            except Exception as e:  # the keepers unreachable: the durable checkpoint it is
-                infos = []
-                self.log(f"snapshots: cannot list {self.root} ({type(e).__name__}: {e})")
+            infos = []
+            for root in [self.root] + ([self.inherited] if self.inherited else []):
+                try:
+                    infos += list_checkpoints(root)
+                except Exception as e:  # the keepers unreachable: the durable checkpoint it is
+                    self.log(f"snapshots: cannot list {root} ({type(e).__name__}: {e})")
+            infos.sort(key=lambda i: i.step, reverse=True)  # stable: this launch's first
             newer = [i for i in infos if i.step > durable_step]
             good = [i.path for i in newer if not i.problem]
             for i in newer:
