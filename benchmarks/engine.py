@@ -30,7 +30,7 @@ Contestants, all built in the same process group and trained on the same batches
 
 A step is what trainer/loop.py does: forward, loss, backward, global-norm clip, AdamW step, zero
 the gradients. Every contestant gets the same AdamW: trainer.optim.implementation("cpu")
-(foreach=True), weight decay on matrices only; FSDP2 zeroes with set_to_none=True (it frees its
+(fused), weight decay on matrices only; FSDP2 zeroes with set_to_none=True (it frees its
 gradient shards between steps), DDP keeps its bucket views, ours frees its gradient shards too
 (FSDPModel.zero_grad's default, set_to_none).
 Our loss is divided by the global token count (the engine sums gradients); FSDP2 and DDP average

@@ -74,11 +74,10 @@ def _run(rank, world, cfg, root, poison, fused=False):
             seen[step] = _state(t)  # as restored
 
     recipe.loss_sum = loss_sum
-    if fused:  # the CUDA path (found_inf on the device), run by the CPU's fused AdamW
-        import trainer.optim as optim
+    import trainer.optim as optim  # fused: found_inf on the device; foreach: read on the host
 
-        real_impl = optim.implementation
-        optim.implementation = lambda device: {"fused": True}
+    real_impl = optim.implementation
+    optim.implementation = lambda device: {"fused": True} if fused else {"foreach": True}
     out, error = io.StringIO(), None
     try:
         with contextlib.redirect_stdout(out):
@@ -91,8 +90,7 @@ def _run(rank, world, cfg, root, poison, fused=False):
         result, error = trainer[0].result, str(e)
     finally:
         recipe.loss_sum = real_loss_sum
-        if fused:
-            optim.implementation = real_impl
+        optim.implementation = real_impl
     return dict(
         losses=result.losses,
         bad=result.bad_steps,
