@@ -314,6 +314,8 @@ def fit(
             f"snapshots: the previous launch {previous_launch_id} ended without stopping its "
             "keepers; the resume also reads their snapshots"
         )
+    elif previous_launch_id:  # this launch keeps no snapshots: nothing would read theirs
+        stop_snapshot_keepers(cfg, previous_launch_id, always=True)
     trainer = build_trainer(cfg, worker_config(job_to_dict(cfg), launch))
     try:
         result = trainer.fit()
@@ -333,9 +335,10 @@ def died_before(lease: RunLease) -> Optional[str]:
     return prev.launch_id
 
 
-def stop_snapshot_keepers(cfg: JobConfig, launch_id: str) -> None:
-    """Free the keepers' memory (they are detached actors: they would outlive this driver)."""
-    if not snapshots_on(cfg):
+def stop_snapshot_keepers(cfg: JobConfig, launch_id: str, always: bool = False) -> None:
+    """Free the keepers' memory (they are detached actors: they would outlive this driver).
+    `always`: also when this launch keeps no snapshots (another launch's keepers)."""
+    if not always and not snapshots_on(cfg):
         return
     from cluster.snapshots import keepers  # noqa: PLC0415 -- imports ray
 

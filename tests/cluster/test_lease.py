@@ -12,6 +12,7 @@ import types
 import pytest
 
 from cluster.run.lease import LeaseHeld, LeaseLost, RunLease
+from cluster.train import died_before
 from tests.cluster.test_preflight import assert_stopped_at_driver, corpus, run_preflight  # noqa: F401
 from tests.s3_server import s3_server, s3_uri
 
@@ -141,6 +142,19 @@ def test_a_holder_whose_process_is_gone_on_this_host_is_taken_over_at_once(tmp_p
     assert second.previous.launch_id == "holder" and not second.previous.released
     assert not second.previous.expired(time.time())  # its heartbeat was recent
     assert said and f"its process {proc.pid} on this host is gone" in said[0], said
+    # Its snapshot keepers outlived it: the relaunch reads them, then stops them (train.py).
+    assert died_before(second) == "holder"
+
+
+def test_only_a_launch_that_never_released_its_lease_leaves_keepers_behind(tmp_path):
+    run = str(tmp_path / "run")
+    first = RunLease.acquire(run, launch_id="first")
+    assert died_before(first) is None, "no launch before it"
+    first.release()
+    second = RunLease.acquire(run, launch_id="second")
+    assert died_before(second) is None, "a launch that ended stopped its own keepers"
+    _rewrite(second, heartbeat_unix=time.time() - 3600)  # its driver died an hour ago
+    assert died_before(RunLease.acquire(run, launch_id="third")) == "second"
 
 
 def test_a_pid_that_names_another_process_now_is_not_the_holder(tmp_path):
