@@ -28,9 +28,10 @@ class Crash(RuntimeError):
     pass
 
 
-def _train(rank, world, cfg, root, snapshots, crash_at, settle=False):
+def _train(rank, world, cfg, root, snapshots, crash_at, settle=False, context=None):
     """`settle`: before crashing, wait (30 s at most) until a snapshot has committed, so a test of
-    the cadence does not depend on how fast this machine sends one."""
+    the cadence does not depend on how fast this machine sends one. `context`: more
+    WorkerContext fields."""
     from trainer.loop import WorkerContext, run_training
 
     def fault(step):
@@ -55,6 +56,7 @@ def _train(rank, world, cfg, root, snapshots, crash_at, settle=False):
                     checkpoint_root=root,
                     snapshot_root=snapshots,
                     before_step=fault,
+                    **(context or {}),
                 ),
             )
         except Crash:
@@ -186,27 +188,14 @@ def _train_inheriting(rank, world, cfg, root, snapshots, inherited, marks):
     """A new launch of the run (its own snapshot root) after one that died without ending:
     `inherited` is the dead launch's root. Each rank's release call leaves a mark recording
     which of this launch's own snapshots were committed when it came."""
-    from trainer.loop import WorkerContext, run_training
 
     def release():
         own = [i.step for i in list_checkpoints(snapshots) if not i.problem]
         with open(os.path.join(marks, f"released-{rank}-{time.monotonic_ns()}"), "w") as f:
             f.write(",".join(map(str, own)))
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        r = run_training(
-            cfg,
-            WorkerContext(
-                rank=rank,
-                world_size=world,
-                checkpoint_root=root,
-                snapshot_root=snapshots,
-                inherited_snapshots=inherited,
-                release_inherited=release if rank == 0 else None,
-            ),
-        )
-    return dict(losses=r.losses, start=r.start_step, printed=out.getvalue())
+    context = dict(inherited_snapshots=inherited, release_inherited=release if rank == 0 else None)
+    return _train(rank, world, cfg, root, snapshots, None, False, context)
 
 
 def test_a_relaunch_resumes_from_the_dead_launch_s_snapshot_then_releases_it_once(
