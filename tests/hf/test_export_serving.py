@@ -174,6 +174,29 @@ def test_an_imported_checkpoint_exports_the_sources_ids(llama, tmp_path):
     assert not (out / "tokenizer_config.json").exists()  # no tokenizer known: none written
 
 
+def test_an_imported_checkpoint_exports_its_source_folders_tokenizer_and_template(tmp_path):
+    """A step-0 import (its state names no tokenizer) exported straight back, e.g. to check the
+    conversion: the source's tokenizer files come along as they were, and transformers renders
+    the same chat template from the export as from the source."""
+    src = save("llama3_rope", tmp_path / "src")
+    write_tokenizer(src / "tokenizer.json")
+    config = {**ORIGINAL_CONFIG, "chat_template": TEMPLATE}
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    imported = import_hf(str(src), str(tmp_path / "imported"), **QUIET)
+    assert not CheckpointReader(imported).state.get("tokenizer")
+    out = tmp_path / "out"
+    said = []
+    result = export_hf(imported, str(out), log=said.append)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(result["files"]), said
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    want = transformers.AutoTokenizer.from_pretrained(src)
+    got = transformers.AutoTokenizer.from_pretrained(out)
+    for prompt in (False, True):
+        kw = dict(tokenize=False, add_generation_prompt=prompt)
+        assert got.apply_chat_template(MESSAGES, **kw) == want.apply_chat_template(MESSAGES, **kw)
+
+
 def test_a_run_from_model_hf_falls_back_on_the_sources_config_when_its_state_has_no_ids(
     llama, tmp_path
 ):

@@ -141,7 +141,9 @@ def export_hf(
     config.json, generation_config.json (every id that ends a turn), model.safetensors (or
     shards + index) and, when the run used a tokenizer.json, tokenizer_config.json (the chat
     template it trained with, its special tokens) and tokenizer.json itself when it is still
-    readable. One tensor at a time: the exporter holds the largest tensor, never the model."""
+    readable; a checkpoint whose state names no tokenizer (a step-0 import) gets the tokenizer
+    files of the folder it came from, as they are. One tensor at a time: the exporter holds the
+    largest tensor, never the model."""
 
     with CheckpointReader(path) as reader:
         raw = reader.state.get("model_config")
@@ -171,6 +173,7 @@ def export_hf(
         files = writer.close()
         tok = reader.state.get("tokenizer") or {}
         source = reader.state.get(HF_SPECIAL_IDS) or {}
+        origin = reader.state.get("imported_from") or cfg.hf_path
         step = reader.step
     if not source and cfg.hf_path:  # trained from model=hf: the source may still be readable
         source = special_ids(cfg.hf_path)
@@ -178,7 +181,10 @@ def export_hf(
     write_json(out.child(CONFIG), config_to_hf(cfg, dtype, eos, bos))
     # No max_length: transformers warns when it is set beside max_new_tokens.
     write_json(out.child(GENERATION_CONFIG), {"bos_token_id": bos, "eos_token_id": eos})
-    files += [CONFIG, GENERATION_CONFIG] + _export_tokenizer(tok, out, cfg, log)
+    if tok or not origin:
+        files += [CONFIG, GENERATION_CONFIG] + _export_tokenizer(tok, out, cfg, log)
+    else:  # an import, or a run whose data named no tokenizer: the source's, as it was
+        files += [CONFIG, GENERATION_CONFIG] + _copy_source_tokenizer(origin, out, log)
     log(
         f"export: step {step}, {cfg.family} ({family_of(cfg).architecture}), {len(params)} "
         f"tensors in {dtype}, eos {eos}, bos {bos} -> {out_dir}: {', '.join(files)}"
@@ -216,6 +222,36 @@ def _export_tokenizer(tok: dict, out: Location, cfg: ModelConfig, log) -> list[s
         log(f"export: the run's tokenizer {name} is not readable here ({e}); copy it yourself")
     write_json(out.child(TOKENIZER_CONFIG), tokenizer_config(tok, cfg))
     return files + [TOKENIZER_CONFIG]
+
+
+SOURCE_TOKENIZER_FILES = (
+    "tokenizer.json",
+    TOKENIZER_CONFIG,
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+"""What an export copies from the Hugging Face folder a checkpoint came from when its state names
+no tokenizer of its own (a step-0 import): the files transformers and vLLM read a tokenizer and
+its chat template from, those the source has."""
+
+
+def _copy_source_tokenizer(source: str, out: Location, log) -> list[str]:
+    """The tokenizer files of the folder `source` (SOURCE_TOKENIZER_FILES), copied as they are;
+    the names of those copied. None readable: said, and the export stands without them."""
+    src, files = storage.resolve(source), []
+    for name in SOURCE_TOKENIZER_FILES:
+        try:
+            data = storage.read_bytes(src.child(name))
+        except (OSError, storage.StorageError):
+            continue  # not every folder has every file
+        storage.write_bytes(out.child(name), data)
+        files.append(name)
+    if not files:
+        log(
+            f"export: no tokenizer in the checkpoint's state nor readable at {source}: "
+            "none exported"
+        )
+    return files
 
 
 def tokenizer_config(tok: dict, cfg: ModelConfig) -> dict:
