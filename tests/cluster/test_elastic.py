@@ -326,7 +326,7 @@ def test_crash_and_drain_losses_equal_an_uninterrupted_run_with_no_step_skipped(
 
 # ---- 2. the driver SIGKILLed, relaunched at once at another world size ------------------------
 
-DRIVER_STEPS = 150
+DRIVER_STEPS = 100
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +345,7 @@ def driver_killed(prepared, tmp_path_factory):
 
 
 def _driver_killed(cluster, prepared, tmp_path_factory):
-    kill_after = drill_rng("driver").randint(30, 70)
+    kill_after = drill_rng("driver").randint(25, 55)
     launch = tmp_path_factory.mktemp("driver")
     run_dir = launch / "runs" / "driver"
     args = cli_overrides(
