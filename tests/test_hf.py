@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.dist_utils import run_distributed
+from tests.hf.tiny import ours_from_hf, transformers_first_loss
 from trainer.checkpoint import CheckpointReader, list_checkpoints
 from trainer.checkpoint.__main__ import main as checkpoint_main
 from trainer.config import ConfigError, DataConfig, ModelConfig, ShardingConfig, TrainerConfig
@@ -85,16 +86,6 @@ def saved(tmp_path_factory) -> dict[str, Path]:
         hf_model(shape).save_pretrained(path, max_shard_size="40KB" if shape == "gqa" else "1GB")
         out[shape] = path
     return out
-
-
-def ours_from_hf(path: Path):
-    cfg = config_from_hf(read_hf_config(str(path)), hf_path=str(path))
-    weights = HFWeights(str(path), cfg)
-    model = build_model(cfg, "cpu")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights.read(name, 0, p.numel()).view(p.shape))
-    return cfg, model.eval()
 
 
 TOKENS = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -278,25 +269,7 @@ def test_an_imported_model_trains_the_same_at_world_sizes_1_2_and_3(hf_job, tmp_
     for w in (2, 3):
         assert [loss for _, loss in runs[w]["losses"]] == pytest.approx(ref, rel=1e-5), w
     # and its first loss is transformers' on the same first batch: it really started from them
-    assert runs[1]["losses"][0][1] == pytest.approx(_hf_first_loss(hf_job), rel=1e-4)
-
-
-def _hf_first_loss(cfg) -> float:
-    from trainer.data import Batches, PreparedData, find_dataset
-
-    batches = Batches(
-        PreparedData.open(find_dataset(cfg.data.prepared_dir)),
-        cfg.data.seq_len,
-        cfg.data.seed,
-        cfg.train.global_batch_size,
-    )
-    mb = batches.micro_batches(0, 0, 1, 1)[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        cfg.model.hf_path, dtype=torch.float32
-    )
-    with torch.no_grad():
-        logits = model(mb.inputs).logits
-    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 300), mb.targets.reshape(-1)))
+    assert runs[1]["losses"][0][1] == pytest.approx(transformers_first_loss(hf_job), rel=1e-4)
 
 
 def test_a_trained_checkpoint_exported_as_hf_loads_in_transformers_with_our_logits(

@@ -8,13 +8,12 @@ import contextlib
 import io
 
 import pytest
-import torch
 
 from tests.dist_utils import run_distributed
-from tests.hf.tiny import save
+from tests.hf.tiny import save, transformers_first_loss
 from trainer.checkpoint.__main__ import main as checkpoint_main
 from trainer.config import DataConfig, ModelConfig, TrainerConfig
-from trainer.data import Batches, PreparedData, find_dataset, prepare
+from trainer.data import prepare
 
 transformers = pytest.importorskip("transformers")
 BYTE_VOCAB = dict(vocab_size=300)  # byte-level data: at least 256 ids
@@ -40,22 +39,6 @@ def job(hf_path, data: DataConfig) -> TrainerConfig:
     c.train.steps, c.train.global_batch_size, c.train.checkpoint_every = 3, 4, 0
     c.optim.warmup_steps, c.optim.lr = 1, 3e-3
     return c
-
-
-def transformers_first_loss(cfg: TrainerConfig) -> float:
-    batches = Batches(
-        PreparedData.open(find_dataset(cfg.data.prepared_dir)),
-        cfg.data.seq_len,
-        cfg.data.seed,
-        cfg.train.global_batch_size,
-    )
-    mb = batches.micro_batches(0, 0, 1, 1)[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        cfg.model.hf_path, dtype=torch.float32
-    )
-    with torch.no_grad():
-        logits = model(mb.inputs).logits
-    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb.targets.reshape(-1)))
 
 
 def test_a_qwen3_trains_from_model_hf_starting_at_transformers_loss(data, tmp_path):

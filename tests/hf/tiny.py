@@ -92,3 +92,23 @@ def transformers_logits(path: Path, tokens: torch.Tensor = TOKENS) -> torch.Tens
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+def transformers_first_loss(cfg) -> float:
+    """transformers' loss on the first micro-batch a run of `cfg` trains (cfg.model.hf_path's
+    weights, fp32): what our first step's loss equals when it really started from them."""
+    from trainer.data import Batches, PreparedData, find_dataset  # noqa: PLC0415
+
+    batches = Batches(
+        PreparedData.open(find_dataset(cfg.data.prepared_dir)),
+        cfg.data.seq_len,
+        cfg.data.seed,
+        cfg.train.global_batch_size,
+    )
+    mb = batches.micro_batches(0, 0, 1, 1)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        cfg.model.hf_path, dtype=torch.float32
+    )
+    with torch.no_grad():
+        logits = model(mb.inputs).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb.targets.reshape(-1)))
