@@ -232,7 +232,8 @@ def release_dead_launch_request(folder, launch_id: str, run_id: str, log=print) 
     killed cannot, and its request keeps the resources of its workers reserved for 180 s
     (Ray Train's AUTOSCALING_REQUESTS_EXPIRE_TIME_S): a relaunch sized from the coordinator's view
     got 1 of 3 workers (seen in CI after a driver SIGKILL). This launch holds the run lease, so
-    any earlier launch of the run is gone. Returns the requester cancelled, if any; never
+    any earlier launch of the run is gone. Returns the requester whose reservation was
+    released, if it held one (a launch that ended, or another Ray's, holds none); never
     raises."""
     mine = f"train-{run_id}"
     cancelled = None
@@ -240,13 +241,15 @@ def release_dead_launch_request(folder, launch_id: str, run_id: str, log=print) 
         prev = folder.read(REQUEST_RECORD)
         if prev and prev.get("launch") != launch_id and prev.get("requester") not in (None, mine):
             actor = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+            held = ray.get(actor.get_reserved_resources.remote(prev["requester"]), timeout=5)
             ray.get(actor.cancel_request.remote(requester_id=prev["requester"]), timeout=5)
-            cancelled = prev["requester"]
-            log(
-                f"elastic: released the resources the previous launch {prev['launch']} had "
-                f"reserved with Ray ({cancelled}): it is gone",
-                flush=True,
-            )
+            if held:  # said only when it reserved something (a launch that ended had cancelled)
+                cancelled = prev["requester"]
+                log(
+                    f"elastic: released the resources the previous launch {prev['launch']} had "
+                    f"reserved with Ray ({cancelled}): it is gone",
+                    flush=True,
+                )
         folder.write(REQUEST_RECORD, {"launch": launch_id, "requester": mine})
     except Exception as e:  # never fail the run over it: the request expires by itself
         log(

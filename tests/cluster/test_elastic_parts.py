@@ -766,7 +766,7 @@ def test_a_relaunch_releases_the_resources_a_killed_launch_had_reserved(tmp_path
     reserving its workers' resources: the next launch of the run cancels it as its controller
     starts (it holds the run lease: the earlier launch is gone), then records its own; its own
     request, or another's record of this launch, is never cancelled."""
-    cancelled = []
+    cancelled, reserved = [], {"train-run1b": {"node-1": {"CPU": 1.0}}}
 
     class Coordinator:
         class cancel_request:  # noqa: N801 -- mimics an actor method handle
@@ -774,6 +774,11 @@ def test_a_relaunch_releases_the_resources_a_killed_launch_had_reserved(tmp_path
             def remote(requester_id):
                 cancelled.append(requester_id)
                 return requester_id
+
+        class get_reserved_resources:  # noqa: N801
+            @staticmethod
+            def remote(requester_id):
+                return reserved.get(requester_id, {})
 
     monkeypatch.setattr(cluster_view.ray, "get_actor", lambda name, namespace: Coordinator)
     monkeypatch.setattr(cluster_view.ray, "get", lambda ref, timeout=None: ref)
@@ -788,7 +793,12 @@ def test_a_relaunch_releases_the_resources_a_killed_launch_had_reserved(tmp_path
     assert cluster_view.release_dead_launch_request(folder, "B", "run2", log) == "train-run1b"
     assert cancelled == ["train-run1b"] and "previous launch A" in lines[-1]
     assert folder.read(cluster_view.REQUEST_RECORD)["requester"] == "train-run2"
+    # B ended (its own end cancelled its request) or ran on another Ray: nothing to release,
+    # nothing claimed.
+    said = len(lines)
+    assert cluster_view.release_dead_launch_request(folder, "C", "run3", log) is None
+    assert cancelled[-1] == "train-run2" and len(lines) == said
     # Ray unreachable: logged, never raised.
     monkeypatch.setattr(cluster_view.ray, "get_actor", lambda *a, **k: 1 / 0)
-    assert cluster_view.release_dead_launch_request(folder, "C", "run3", log) is None
+    assert cluster_view.release_dead_launch_request(folder, "D", "run4", log) is None
     assert "expires within 180 s" in lines[-1]
