@@ -9,8 +9,8 @@ filesystem), two generations kept. The Checkpointer takes one at the steps
 
 A launch may also inherit a root: the snapshots of the run's previous launch, which died without
 ending (its driver killed) while its keepers still hold them. Resume offers those too, newest
-first among both; `inherited_done` says when this launch's own state is safe elsewhere (its
-first snapshot or durable checkpoint committed), so the inherited ones can be freed.
+first among both, and never writes there; the Checkpointer calls its release_inherited once this
+launch's own first snapshot or durable checkpoint is committed, so the inherited ones are freed.
 """
 
 from __future__ import annotations
