@@ -14,6 +14,7 @@ import shutil
 import time
 
 import pytest
+import torch
 
 from tests.dist_utils import fresh_ranks, run_distributed
 from trainer.checkpoint import list_checkpoints
@@ -220,24 +221,43 @@ def test_a_relaunch_resumes_from_the_dead_launch_s_snapshot_then_releases_it_onc
     assert list_checkpoints(dead)[0].step == 6, "the relaunch never writes the dead launch's root"
 
 
-def test_the_relaunch_s_own_snapshots_come_first_and_a_newer_inherited_one_wins(
-    cfg, uninterrupted, tmp_path
-):
-    """Resume orders both roots by step: a group restart within the relaunch, whose own newest
-    snapshot (step 6) is newer than the inherited ones (step 2), takes its own; not the
-    reverse."""
-    cfg.train.snapshot_every = 2
-    root = str(tmp_path / "ckpt")
-    dead, mine = str(tmp_path / "dead"), str(tmp_path / "mine")
-    run_distributed(_train, 2, cfg, root, dead, 3)  # the dead launch: a snapshot of step 2
-    fresh_ranks(2)
-    run_distributed(_train, 2, cfg, root + "-other", mine, 7)  # own snapshots 4 and 6
-    fresh_ranks(2)
-    assert [i.step for i in list_checkpoints(dead)] == [2]
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    second = run_distributed(_train_inheriting, 2, cfg, root, mine, dead, str(marks))[0]
-    assert second["start"] == 6
-    assert f"resumed from {mine}/step_000000006" in second["printed"]
-    for step, loss in second["losses"]:
-        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
+def _snapshot(root: str, step: int) -> None:
+    """A committed one-rank checkpoint of `step` under `root` (what a snapshot is)."""
+    from trainer.checkpoint import CheckpointWriter, TensorChunk
+
+    t = torch.arange(4, dtype=torch.float32)
+    with CheckpointWriter(root, keep=10, async_save=False) as writer:
+        writer.save(step, 0, 1, [TensorChunk("model/w", (4,), t.dtype, 0, t)], {"step": step})
+        writer.wait()
+
+
+def test_resume_offers_both_roots_newest_first_this_launch_s_first_at_equal_steps(tmp_path):
+    """A group restart within the relaunch: its own snapshots (6, 4) and the dead launch's (8, 2,
+    and a 4 of its own) are offered newest first, above the durable checkpoint (step 3): the
+    inherited 8, then its own 6, its own 4 before the inherited 4; never the 2."""
+    from trainer.checkpoint.snapshots import Snapshots
+
+    mine, dead = str(tmp_path / "mine"), str(tmp_path / "dead")
+    for root, step in [(mine, 6), (mine, 4), (dead, 8), (dead, 4), (dead, 2)]:
+        _snapshot(root, step)
+    snaps = Snapshots(mine, None, 1, log=lambda *_: None, inherited=dead)
+    try:
+        offered = snaps.newer_than(3, rank=0, control=None)
+    finally:
+        snaps.close()
+    assert offered == [
+        f"{dead}/step_000000008",
+        f"{mine}/step_000000006",
+        f"{mine}/step_000000004",
+        f"{dead}/step_000000004",
+    ]
+    assert snaps.holds(offered[0]) and snaps.holds(offered[1])
+    assert not snaps.holds(str(tmp_path / "ckpt" / "step_000000003"))
+    lone = Snapshots(mine, None, 1, log=lambda *_: None, inherited=mine)  # its own root: once
+    try:
+        assert lone.newer_than(0, rank=0, control=None) == [
+            f"{mine}/step_000000006",
+            f"{mine}/step_000000004",
+        ]
+    finally:
+        lone.close()
