@@ -218,7 +218,7 @@ def snapshot_root(cfg, launch: LaunchInfo) -> Optional[str]:
     keeper_fs.register_keeper_scheme()
     key = keepers.run_key_of(cfg.cluster.run_name, launch.launch_id)
     keepers.ensure_keeper(key, ray.get_runtime_context().get_node_id())
-    return f"{keeper_fs.SCHEME}://{key}/snapshots"
+    return keeper_fs.snapshots_url(key)
 
 
 def inherited_snapshots(cfg, launch: LaunchInfo) -> Optional[str]:
@@ -228,8 +228,8 @@ def inherited_snapshots(cfg, launch: LaunchInfo) -> Optional[str]:
         return None
     from cluster.snapshots import keeper_fs, keepers  # noqa: PLC0415 -- imports ray
 
-    key = keepers.run_key_of(cfg.cluster.run_name, launch.previous_launch_id)
-    return f"{keeper_fs.SCHEME}://{key}/snapshots"
+    previous = keepers.run_key_of(cfg.cluster.run_name, launch.previous_launch_id)
+    return keeper_fs.snapshots_url(previous)  # snapshot_root registered the scheme
 
 
 def release_inherited(cfg, launch: LaunchInfo) -> Optional[Callable[[], None]]:

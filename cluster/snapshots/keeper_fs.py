@@ -34,6 +34,11 @@ Ray ends calls to a dead node's actors itself (its health check); this bounds wh
 not: a keeper alive but stuck."""
 
 
+def snapshots_url(run_key: str) -> str:
+    """Where the snapshots of `run_key`'s launch live: keeper://<run_key>/snapshots."""
+    return f"{SCHEME}://{run_key}/snapshots"
+
+
 def register_keeper_scheme() -> None:
     """Make trainer.storage open "keeper://<run_key>/<path>" on the keepers of `run_key`, with
     this process's node as the home node of what it writes. Call it in each process (worker,
