@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from trainer.config import ModelConfig
+from .config import ModelConfig
 
 
 def count_params(cfg: ModelConfig) -> int:

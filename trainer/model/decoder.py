@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
 from trainer.loss import projected_loss_sum
 
 from .attention import Attention, AttentionContext, KVCache, document_mask
+from .config import ModelConfig
 from .feedforward import FeedForward
 from .initialization import init_parameters
 from .norms import RMSNorm

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
-
+from .config import ModelConfig
 from .initialization import linear, residual_std
 
 

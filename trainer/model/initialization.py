@@ -17,8 +17,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from trainer.config import ModelConfig
-
+from .config import ModelConfig
 from .norms import RMSNorm
 
 

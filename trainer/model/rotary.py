@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from trainer.config import ModelConfig
+from .config import ModelConfig
 
 
 class RotaryEmbedding:

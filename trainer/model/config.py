@@ -1,0 +1,170 @@
+"""The model's configuration: `ModelConfig` (the decoder's shape and family) and its presets.
+
+Model presets (`model=8b` on the command line) have one home: `PRESETS` below. The training
+job (trainer/config.py) holds a `ModelConfig` as its `model` section and re-exports these names,
+as it does the engine's `ShardingConfig` (trainer/fsdp/config.py); `validate()` raises
+`ConfigError` naming the key, the value given and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from trainer.fsdp.config import ConfigError, fail
+from trainer.numbers import positive
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder (trainer/model/). The defaults are the `tiny` preset."""
+
+    name: str = "tiny"
+    """Preset name, for the record (tiny, 125m, 1b, 8b, 70b, hf)."""
+    family: str = "llama"
+    """The decoder family, as Hugging Face names it: llama, qwen2 (Qwen2/2.5: biases on the
+    query, key and value projections), qwen3 (RMSNorm on each query and key head) or mistral
+    (Llama-shaped). Set from config.json's model_type with model.hf_path."""
+    vocab_size: int = 256
+    """Vocabulary size: at least the tokenizer's (byte-level data: 256)."""
+    dim: int = 256
+    """Model width (hidden size)."""
+    n_layers: int = 4
+    """Number of transformer blocks (one engine unit each)."""
+    n_heads: int = 4
+    """Attention heads."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means n_heads."""
+    ffn_dim: int = 768
+    """Hidden size of the SwiGLU feed-forward."""
+    head_dim: Optional[int] = None
+    """Width of one attention head; None means dim // n_heads (Qwen3 decouples it)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2/2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary tables are built for."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rope_scaling: Optional[str] = None
+    """None, or 'llama3': Llama 3.1's frequency-dependent scaling of the rotary frequencies, with
+    the four rope_* fields below."""
+    rope_factor: float = 8.0
+    """llama3 scaling: low frequencies are divided by this."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max_seq_len / this are scaled fully."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max_seq_len / this are not scaled."""
+    rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length the model was pretrained with."""
+    tie_embeddings: bool = False
+    """The output projection is the token embedding matrix (no separate output weight)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of matrices."""
+    hf_path: Optional[str] = None
+    """A Hugging Face Llama checkpoint (a folder or pyarrow.fs URI holding config.json and
+    model.safetensors or model.safetensors.index.json): the shape above comes from its config.json
+    and a run with nothing to resume starts from its weights (trainer/hf/). model=hf sets it."""
+
+    def validate(self) -> None:
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v <= 0:
+                fail(f"model.{key}", v, "a positive integer")
+        if self.family not in FAMILY_NAMES:
+            fail("model.family", self.family, ", ".join(FAMILY_NAMES))
+        if self.head_dim is None and self.dim % self.n_heads:
+            fail("model.n_heads", self.n_heads, f"a divisor of model.dim={self.dim}")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            fail("model.head_dim", self.head_dim, "null (dim // n_heads) or a positive integer")
+        kv = self.kv_heads
+        if kv <= 0 or self.n_heads % kv:
+            fail("model.n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads={self.n_heads}")
+        if self.head_size % 2:
+            key, v = (
+                ("model.head_dim", self.head_dim)
+                if self.head_dim
+                else ("model.n_heads", self.n_heads)
+            )
+            fail(key, v, "a value giving an even head dim (rotary pairs)")
+        if self.rope_scaling not in (None, "llama3"):
+            fail("model.rope_scaling", self.rope_scaling, "null or llama3")
+        if self.rope_scaling and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            fail(
+                "model.rope_high_freq_factor",
+                self.rope_high_freq_factor,
+                f"more than model.rope_low_freq_factor={self.rope_low_freq_factor}",
+            )
+        for key in ("norm_eps", "rope_theta", "init_std", "rope_factor"):
+            if not positive(getattr(self, key)):
+                fail(f"model.{key}", getattr(self, key), "a finite positive number")
+        for key in ("rope_low_freq_factor", "rope_high_freq_factor"):
+            if not positive(getattr(self, key)):
+                fail(f"model.{key}", getattr(self, key), "a finite positive number")
+        if self.name == "hf" and self.hf_path == "":  # model=hf without model.hf_path
+            fail(
+                "model.hf_path",
+                self.hf_path,
+                "the folder or URI of a Hugging Face Llama "
+                "checkpoint (config.json and model*.safetensors)",
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim, or dim // n_heads."""
+        return self.head_dim or self.dim // self.n_heads
+
+
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral")
+"""model.family's values (trainer/hf/ maps each to and from its Hugging Face config)."""
+
+
+def _llama3(name: str, **shape) -> ModelConfig:
+    """A Llama 3 shape: its 128k vocabulary, 8 key/value heads, 8k context and rope theta."""
+    return ModelConfig(
+        name=name, vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0, **shape
+    )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # ~3.5M parameters: tests and CPU runs.
+    "tiny": ModelConfig(),
+    # GPT-2 small widths with a Llama block (~134M: 85M in blocks, untied 32k embeddings).
+    "125m": ModelConfig(
+        name="125m", vocab_size=32000, dim=768, n_layers=12, n_heads=12, ffn_dim=2048
+    ),
+    # Llama 3.2 1B shapes (embeddings untied here, so ~1.50B rather than Meta's tied 1.24B).
+    "1b": _llama3("1b", dim=2048, n_layers=16, n_heads=32, ffn_dim=8192),
+    # Llama 3 8B shapes (8.03B parameters).
+    "8b": _llama3("8b", dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
+    # Llama 3 70B shapes (70.6B parameters): `python -m cluster.plan model=70b` before renting.
+    "70b": _llama3("70b", dim=8192, n_layers=80, n_heads=64, ffn_dim=28672),
+    # A Hugging Face Llama checkpoint: model=hf model.hf_path=... (the shape is its config.json's).
+    "hf": ModelConfig(name="hf", hf_path=""),
+}
+"""The model presets, the only place their shapes are written: Hydra's `model` group
+(cluster/config.py registers each under its name) and `model_config` read them."""
+
+
+def model_config(name: str, **overrides) -> ModelConfig:
+    """A validated ModelConfig from a preset, with any fields overridden."""
+    if name not in PRESETS:
+        fail("model.name", name, ", ".join(PRESETS))
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(
+            f"invalid config: model.{unknown[0]}={overrides[unknown[0]]!r}; "
+            f"valid keys: {', '.join(f.name for f in dataclasses.fields(ModelConfig))}"
+        )
+    cfg = dataclasses.replace(PRESETS[name], **overrides)
+    cfg.validate()
+    return cfg
