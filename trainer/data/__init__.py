@@ -1,6 +1,6 @@
 """Data: documents from files or object storage -> token shards (once) -> each worker's batches.
 
-    info = prepare(cfg.data)                          # sources.py, tokenizer.py, prepare.py
+    info = prepare(cfg.data)                          # preparation.py, planning.py, units.py
     data = PreparedData.open(info.uri)                # dataset.py: manifest + token streams
     batches = Batches(data, seq_len, seed, global_batch, weights)   # loader.py, sampler.py
     loader = Loader(batches, rank, world, micro_batches, start, stop, depth)
@@ -16,21 +16,15 @@ global index (sampler.py), so a run resumes exactly at any world size.
 """
 
 from .chat import ChatTemplate, encode_conversation, load_chat_template, read_tokenizer_config
+from .checks import check_vocab, plan_and_check
 from .dataset import MANIFEST, DataError, PreparedData, TokenStream, find_dataset
 from .loader import EVAL_TAG, Batches, Loader, MicroBatch
-from .preparation import (
-    PreparedInfo,
-    WorkUnit,
-    check_vocab,
-    dataset_dir,
-    plan_and_check,
-    plan_preparation,
-    prepare,
-    process_unit,
-)
+from .planning import WorkUnit, dataset_dir, plan_preparation
+from .preparation import PreparedInfo, prepare
 from .sampler import GlobalOrder, Permutation, global_tokens_per_step, rank_range
 from .sources import InputFile, detect_format, list_files
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype, train_tokenizer
+from .units import process_unit
 
 __all__ = [
     "Batches",
