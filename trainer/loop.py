@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.launch_storage import LaunchStorage
 from trainer.checkpoint.resume import data_identity, has_checkpoint
 from trainer.config import DType, TrainerConfig
 from trainer.data import (
@@ -101,6 +102,19 @@ class WorkerContext:
     """Keep (step, source, sample id) of every sequence this rank trained on, in the result (for
     audits and the exactly-once tests; costs memory proportional to the run)."""
 
+    @property
+    def storage(self) -> LaunchStorage:
+        """Where this launch reads and writes, as the Checkpointer takes it (one value)."""
+        return LaunchStorage(
+            root=self.checkpoint_root,
+            resume_from=self.resume_from,
+            snapshot_root=self.snapshot_root,
+            inherited_snapshots=self.inherited_snapshots,
+            release_inherited=self.release_inherited,
+            on_commit=self.on_checkpoint,
+            may_write=self.may_write,
+        )
+
 
 @dataclass
 class TrainResult:
@@ -171,7 +185,7 @@ class Trainer:
         self.control = dist.new_group(backend="gloo") if self.world > 1 else None
         self.checkpointer = Checkpointer(
             cfg,
-            ctx.checkpoint_root,
+            ctx.storage,
             self.model,
             self.optimizer,
             self.scaler,
@@ -179,12 +193,6 @@ class Trainer:
             world_size=self.world,
             device=self.device,
             control=self.control,
-            resume_from=ctx.resume_from,
-            snapshot_root=ctx.snapshot_root,
-            inherited_snapshots=ctx.inherited_snapshots,
-            release_inherited=ctx.release_inherited,
-            on_commit=ctx.on_checkpoint,
-            may_write=ctx.may_write,
             log=print0,
             data_identity=data_identity(cfg, self.data.digest),
             tokenizer=self.data.tokenizer_info(),

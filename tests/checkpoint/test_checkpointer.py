@@ -9,6 +9,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.launch_storage import LaunchStorage
 from trainer.config import TrainerConfig
 from trainer.data import prepare
 from trainer.fsdp import build_mesh, parallelize
@@ -52,14 +53,13 @@ def checkpointer(cfg: TrainerConfig, reports: list) -> Checkpointer:
     model = parallelize(build_model(cfg.model), cfg.sharding, mesh, "cpu", init_fn=initializer(0))
     ckpt = Checkpointer(
         cfg,
-        "unused",
+        LaunchStorage("unused", on_commit=lambda path, step: reports.append(step)),
         model,
         build_optimizer(model, cfg.optim),
         ShardedGradScaler(enabled=False),
         rank=0,
         world_size=1,
         device=torch.device("cpu"),
-        on_commit=lambda path, step: reports.append(step),
     )
     ckpt.writer = FakeWriter()
     return ckpt

@@ -1,8 +1,9 @@
 """Checkpointing for the training loop: when to save, the save in flight and the report of its
 commit, and resume with the all-ranks fallback.
 
-    ckpt = Checkpointer(cfg, root, model, optimizer, scaler, rank=r, world_size=w, device=d,
-                        control=control_group, on_commit=report, may_write=lease)
+    storage = LaunchStorage(root, on_commit=report, may_write=lease)   # launch_storage.py
+    ckpt = Checkpointer(cfg, storage, model, optimizer, scaler, rank=r, world_size=w, device=d,
+                        control=control_group)
     step = ckpt.resume()        # 0, or the step of the newest checkpoint every rank can load
     ...                         # train a step; `step` steps are done, then:
     if ckpt.save_due(step):     # every train.checkpoint_every steps
@@ -17,12 +18,12 @@ What is saved (DESIGN.md invariants 2-4): each original parameter's fp32 element
 AdamW state (trainer/fsdp/state.py names them, trainer/checkpoint/keys.py turns the names into
 keys), and the TrainerState (trainer_state.py): the step (which IS the data position), the RNG,
 the loss scaler. Saves are asynchronous: the loop waits only for the copy to host memory. Step N
-is reported (`on_commit`, Ray's checkpoint report under Ray) once its manifest is committed, at
-the first step boundary after that, on every rank together: the ranks agree that the save is
-done with one small all-reduce on `control` (gloo, CPU: no device sync) per step while a save
-is in flight. The writer's barrier runs on a group of its own, created here: it runs on the
-writer's background thread, and two threads must never issue collectives on one group (gloo
-matches them by order).
+is reported (LaunchStorage.on_commit: Ray's checkpoint report under Ray) once its manifest is
+committed, at the first step boundary after that, on every rank together: the ranks agree that
+the save is done with one small all-reduce on `control` (gloo, CPU: no device sync) per step
+while a save is in flight. The writer's barrier runs on a group of its own, created here: it
+runs on the writer's background thread, and two threads must never issue collectives on one
+group (gloo matches them by order).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from trainer.checkpoint import (
     list_checkpoints,
 )
 from trainer.checkpoint.keys import MODEL, OPTIM, optim_key, param_key
+from trainer.checkpoint.launch_storage import LaunchStorage
 from trainer.checkpoint.resume import check_resumable
 from trainer.checkpoint.snapshots import Snapshots
 from trainer.checkpoint.trainer_state import TrainerState, cpu_rng_state, model_digest
@@ -168,7 +170,7 @@ class Checkpointer:
     def __init__(
         self,
         cfg: TrainerConfig,
-        root: str,
+        storage: LaunchStorage,
         model: FSDPModel,
         optimizer: torch.optim.Optimizer,
         scaler: ShardedGradScaler,
@@ -177,51 +179,35 @@ class Checkpointer:
         world_size: int,
         device: torch.device,
         control: Optional[dist.ProcessGroup] = None,
-        resume_from: Optional[str] = None,
-        snapshot_root: Optional[str] = None,
-        inherited_snapshots: Optional[str] = None,
-        release_inherited: Optional[Callable[[], None]] = None,
-        on_commit: Optional[Callable[[str, int], None]] = None,
-        may_write: Optional[Callable[[], Optional[str]]] = None,
         log=print,
         data_identity: Optional[dict] = None,
         tokenizer: Optional[dict] = None,
     ):
-        """`root`: this run's checkpoint folder (a path or pyarrow.fs URI). `control`: a gloo
-        group of all ranks for the agreements, used from this (the training) thread only; the
-        save barrier gets a gloo group of its own (both None with one rank).
-        `resume_from`: a checkpoint to resume from instead of the newest valid one under root.
-        `snapshot_root`: where in-memory snapshots go (snapshots.py), or None.
-        `inherited_snapshots`: a previous launch's snapshot root that resume also looks in (it
-        died without ending; its snapshots may be newer than the durable checkpoint), and
-        `release_inherited()`, called once on this rank when this launch no longer needs them:
-        its own first snapshot or durable checkpoint is committed.
-        `on_commit(path, step)`: called on every rank once step's checkpoint is committed.
-        `may_write()`: None while this run may still write its checkpoints, else why not (the
-        cluster layer's run lease: another launch took the run over); asked before each save
-        on every rank together, and by rank 0's writer again right before it commits.
-        `log`: prints on rank 0 (the loop's print0). `data_identity`: what the sample order
-        depends on (resume.data_identity); a checkpoint of another one is refused.
-        `tokenizer`: the data's tokenizer, recorded with every checkpoint for exports."""
-        self.cfg, self.root = cfg, root
+        """`storage`: where this launch reads and writes (launch_storage.py): the checkpoint
+        root, the snapshots, an older launch's, who hears of a commit, whether it may still
+        write (asked before each save on every rank together, and by rank 0's writer again
+        right before it commits). `control`: a gloo group of all ranks for the agreements, used
+        from this (the training) thread only; the save barrier gets a gloo group of its own
+        (both None with one rank). `log`: prints on rank 0 (the loop's print0).
+        `data_identity`: what the sample order depends on (resume.data_identity); a checkpoint
+        of another one is refused. `tokenizer`: the data's tokenizer, recorded with every
+        checkpoint for exports."""
+        self.cfg, self.storage, self.root = cfg, storage, storage.root
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.rank, self.world, self.device, self.control = rank, world_size, device, control
         # Collective: every rank creates it, in the same order as its other groups.
         barrier_group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self.resume_from, self.on_commit, self.log = resume_from, on_commit, log
-        self.may_write = may_write
-        self.data_identity = data_identity or {}
-        self.tokenizer = tokenizer
+        self.log, self.data_identity, self.tokenizer = log, data_identity or {}, tokenizer
         self.hf_special_ids: Optional[dict] = None  # an import's, carried from the resumed state
         self.every, self.total = cfg.train.checkpoint_every, cfg.train.steps
-        keep = cfg.train.keep_checkpoints
-        self.writer = CheckpointWriter(root, keep=keep, group=barrier_group, commit_guard=may_write)
-        self.snapshots = (
-            Snapshots(snapshot_root, cfg.train.snapshot_every, world_size, log, inherited_snapshots)
-            if snapshot_root and cfg.train.snapshot_every != 0
-            else None
+        self.writer = CheckpointWriter(
+            storage.root,
+            keep=cfg.train.keep_checkpoints,
+            group=barrier_group,
+            commit_guard=storage.may_write,
         )
-        self._release_inherited = release_inherited if inherited_snapshots else None
+        self.snapshots = Snapshots.of_launch(storage, cfg.train, world_size, log)
+        self._release_inherited = storage.release_inherited if storage.inherited_snapshots else None
         self.start_step = 0
         self.resumed_from: Optional[str] = None
         self.last_committed: Optional[str] = None
@@ -303,7 +289,8 @@ class Checkpointer:
 
     def check_may_write(self, doing: str) -> None:
         """RunTakenOver on every rank (they agree) when this run may no longer write."""
-        reason = self.may_write() if self.may_write is not None else None
+        may_write = self.storage.may_write
+        reason = may_write() if may_write is not None else None
         if self._any(reason is not None):
             raise RunTakenOver(
                 f"not {doing}: {reason or 'another rank found the run taken over'}; this launch "
@@ -331,8 +318,8 @@ class Checkpointer:
         path = self.writer.wait()
         step, self._in_flight = self._in_flight, None
         self.last_committed = path
-        if self.on_commit is not None:
-            self.on_commit(path, step)
+        if self.storage.on_commit is not None:
+            self.storage.on_commit(path, step)
 
     # ---- resuming ----------------------------------------------------------------------------
     def resume(self) -> int:
@@ -342,8 +329,8 @@ class Checkpointer:
         Listing checks are cheap (manifest, sizes); a flipped byte inside a shard only shows when
         its block is read. A rank that hits one tells the others (MAX all-reduce), and all ranks
         move to the next older checkpoint together: never a mix of two."""
-        if self.resume_from:
-            candidates = [self.resume_from]
+        if self.storage.resume_from:
+            candidates = [self.storage.resume_from]
         else:
             infos = list_checkpoints(self.root)
             for info in infos:

@@ -3,7 +3,7 @@ format, written by a writer of their own to the peers' memory (the cluster layer
 filesystem), two generations kept. The Checkpointer takes one at the steps
 `due` says, and offers the newer complete ones first at resume.
 
-    snaps = Snapshots(root, every, world_size, log)
+    snaps = Snapshots.of_launch(storage, cfg.train, world_size, log)   # None: snapshots off
     if snaps.due(step, busy): snaps.save(step, state, chunks, rank)
     paths = snaps.newer_than(durable_step, rank, control)   # resume: newest first
 
@@ -21,7 +21,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from trainer.checkpoint import CheckpointWriter, TensorChunk, list_checkpoints
+from trainer.checkpoint.launch_storage import LaunchStorage
 from trainer.checkpoint.trainer_state import TrainerState
+from trainer.config import TrainConfig
 
 
 class Snapshots:
@@ -68,6 +70,17 @@ class Snapshots:
         self.blocked_ms: Optional[float] = None
         self.bytes: int = 0
         self.taken = 0  # snapshots started by this rank
+
+    @classmethod
+    def of_launch(
+        cls, storage: LaunchStorage, train: TrainConfig, world_size: int, log=print
+    ) -> Optional["Snapshots"]:
+        """The launch's snapshots: where its launcher keeps them, as often as
+        train.snapshot_every says; None when it takes none (LaunchStorage.snapshots_on)."""
+        if not storage.snapshots_on(train):
+            return None
+        root, inherited = storage.snapshot_root, storage.inherited_snapshots
+        return cls(root, train.snapshot_every, world_size, log, inherited)
 
     def due(self, step: int, busy: bool) -> bool:
         if self.every is None:
