@@ -1,6 +1,6 @@
-"""The job's config: its schema, how Hydra composes it, the run folder's layout, the trip to the
-workers. The ground floor of cluster/: it imports nothing of cluster/, and every other module of
-cluster/ may import it.
+"""The job's config: its schema, its checks, the trip to the workers. The ground floor of
+cluster/: it imports nothing of cluster/ but the run folder's layout (run/layout.py, which
+imports nothing of cluster/ itself), and every other module of cluster/ may import it.
 
     cfg = checked_config(dictcfg, launch_dir)          # cluster/preflight.py: typed, validated
     trainer = build_trainer(cfg, {"job": job_to_dict(cfg)})
@@ -8,32 +8,28 @@ cluster/ may import it.
 
 `JobConfig` is the training job (trainer.config.TrainerConfig: model, sharding, optim, data,
 train) plus what only the Ray layer knows: where the workers run (`cluster`), MLflow
-(`tracking`) and fault drills (`fault`). `register_schemas` stores it in Hydra's ConfigStore as
-`job_schema`, which conf/config.yaml lists first, so every YAML file and override is merged into a
-typed, struct-mode JobConfig: an unknown key or a value of the wrong type fails in Hydra, before any
-code of ours runs. The model presets (trainer.config.PRESETS) are registered as the `model` group.
+(`tracking`) and fault drills (`fault`). Hydra composes it (cluster/compose.py: the schema in
+its ConfigStore, the model presets, model=hf's resolver) and hands it over as these dataclasses.
 
 A run's files live in its Ray run folder, <cluster.storage_path>/<cluster.run_name>, laid out
-as `run_folder` below says (its checkpoints in checkpoints/).
+as cluster/run/layout.py says (its checkpoints in checkpoints/).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
-
-from trainer.config import PRESETS, ConfigError, ModelConfig, TrainConfig, TrainerConfig, fail
-
-SCHEMA_NAME = "job_schema"
-
+from cluster.run.layout import checkpoint_root
+from trainer.config import (
+    ConfigError,  # noqa: F401 -- cluster/ takes the config's error from here
+    TrainConfig,
+    TrainerConfig,
+    fail,
+)
 
 # ---- value checks: every number finite and in range (NaN passes `x <= 0`) ------------------------
 
@@ -310,126 +306,6 @@ class JobConfig(TrainerConfig):
         """The run's checkpoints: inside Ray's run folder, so one run name means one checkpoint
         history, and a resubmitted run finds its checkpoints again."""
         return checkpoint_root(self.cluster.storage_path, self.cluster.run_name)
-
-
-# ---- Hydra ------------------------------------------------------------------------------------
-
-
-HF_RESOLVER = "hf_config"
-"""model=hf's shape fields are `${hf_config:<field>}`: read from model.hf_path's config.json
-when the config is resolved. `--cfg job` prints them so (where they come from), `--cfg job
---resolve` and the run itself the checkpoint's values."""
-HF_OWN_FIELDS = ("name", "hf_path")
-"""The fields of model=hf that are not config.json's."""
-
-
-def register_schemas() -> None:
-    """JobConfig as `job_schema` and every model preset as `model/<name>` in Hydra's ConfigStore
-    (idempotent: Hydra replaces an entry of the same name); model=hf's shape as interpolations
-    of the `hf_config` resolver."""
-    store = ConfigStore.instance()
-    store.store(name=SCHEMA_NAME, node=JobConfig)
-    for name, preset in PRESETS.items():
-        store.store(group="model", name=name, node=hf_preset() if name == "hf" else preset)
-    OmegaConf.register_new_resolver(HF_RESOLVER, hf_config_field, replace=True)
-
-
-def hf_preset() -> DictConfig:
-    """PRESETS["hf"] with every field config.json sets as `${hf_config:<field>}`."""
-    node = OmegaConf.structured(PRESETS["hf"])
-    for f in dataclasses.fields(ModelConfig):
-        if f.name not in HF_OWN_FIELDS:
-            node[f.name] = f"${{{HF_RESOLVER}:{f.name}}}"
-    return node
-
-
-def hf_config_field(key: str, *, _parent_) -> object:
-    """The resolver: field `key` of the model node's hf_path's config.json (as our ModelConfig);
-    the preset's own value while hf_path is unset (validate() then names model.hf_path)."""
-    path = _parent_.get("hf_path")
-    if not path:
-        return getattr(PRESETS["hf"], key)
-    return _hf_model(path)[key]
-
-
-@functools.lru_cache(maxsize=8)
-def _hf_model(path: str) -> dict:
-    """The ModelConfig fields of the checkpoint at `path`, read once per to_job_config (it
-    clears this cache) however many fields refer to them."""
-    from trainer.hf import resolve_model  # noqa: PLC0415 -- torch: only for model=hf
-
-    return dataclasses.asdict(resolve_model(ModelConfig(name="hf", hf_path=path)))
-
-
-def to_job_config(dictcfg: DictConfig) -> JobConfig:
-    """The composed DictConfig as plain dataclasses; Hydra stops here and nothing below sees it.
-
-    Hydra's `+key=value` adds a key even to a typed node, and OmegaConf.to_object then drops it
-    without a word; such a key is refused here instead, listing the valid ones. A ConfigError
-    raised while resolving (model=hf's config.json) is raised as itself, not wrapped.
-    """
-    check_known_keys(dictcfg, JobConfig)
-    _hf_model.cache_clear()
-    try:
-        job = OmegaConf.to_object(dictcfg)
-    except InterpolationResolutionError as e:
-        cause = e.__context__
-        while cause is not None and not isinstance(cause, ConfigError):
-            cause = cause.__context__
-        if cause is None:
-            raise
-        raise cause from None
-    if not isinstance(job, JobConfig):
-        raise TypeError(
-            f"composed config is {type(job).__name__}, not JobConfig: "
-            f"conf/config.yaml must list '{SCHEMA_NAME}' first in its defaults"
-        )
-    return job
-
-
-def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
-    """Raise ConfigError for the first key of `node` that is not a field of dataclass `schema`."""
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    for key in node.keys():
-        if key not in fields:
-            section = prefix.rstrip(".") or "the top level"
-            raise ConfigError(
-                f"invalid config: unknown key {prefix}{key}; valid keys of "
-                f"{section}: {', '.join(fields)}"
-            )
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
-            check_known_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")
-
-
-# ---- the run folder ----------------------------------------------------------------------------
-
-CHECKPOINTS_DIR = "checkpoints"
-POINTER_DIR = "ray_checkpoints"
-LEASE_DIR = "lease"
-ELASTIC_DIR = "elastic"
-
-
-def run_folder(storage_path: str, run_name: str, *below: str) -> str:
-    """<storage_path>/<run_name>[/below...]: Ray Train's run folder (or a path in it), a local
-    path or a pyarrow.fs URI, whose query string (an S3 endpoint's options) stays at the end.
-    Ray keeps its own state there (checkpoint_manager_snapshot.json); what this project keeps
-    there is named here, and only here:
-
-        checkpoints/       CHECKPOINTS_DIR: the loop's sharded checkpoints (trainer/checkpoint)
-        ray_checkpoints/   POINTER_DIR: one pointer folder per checkpoint reported to Ray
-                           (cluster/run/ray_checkpoint.py)
-        lease/             LEASE_DIR: the run lease's generation files (cluster/run/lease.py)
-        elastic/           ELASTIC_DIR: small JSON documents shared across worker-group starts
-                           (cluster/run/folder.py RunFolder lists them)
-    """
-    base, sep, query = storage_path.partition("?")
-    return "/".join([base.rstrip("/"), run_name, *below]) + sep + query
-
-
-def checkpoint_root(storage_path: str, run_name: str) -> str:
-    """<storage_path>/<run_name>/checkpoints: a run's checkpoints, in Ray's run folder."""
-    return run_folder(storage_path, run_name, CHECKPOINTS_DIR)
 
 
 def snapshots_on(cfg: JobConfig) -> bool:

@@ -23,7 +23,7 @@ host memory per worker and the step-time estimate, and the cheapest that fits
 ends. Exit status 0 when the configured job fits at every world size it may have, 1 when not, 2
 for an invalid config.
 
-The job is composed exactly as `python -m cluster.train` composes it (cluster/config.py); the
+The job is composed exactly as `python -m cluster.train` composes it (cluster/compose.py); the
 planner itself is trainer/plan.
 """
 
@@ -37,7 +37,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config import ConfigError, JobConfig, register_schemas, to_job_config
+from cluster.compose import register_schemas, to_job_config
+from cluster.config import ConfigError, JobConfig
 from trainer.plan import Costs, format_options, format_recommendation, options, plan, recommend
 from trainer.plan.choose import best_per_levers
 from trainer.plan.levers import DEFAULT_HOST_MEMORY_GB

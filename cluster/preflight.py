@@ -33,7 +33,8 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from cluster.config import ConfigError, JobConfig, to_job_config
+from cluster.compose import to_job_config
+from cluster.config import ConfigError, JobConfig
 from cluster.tracking.runs import resolve_tracking_uri
 from trainer import storage
 from trainer.data import MANIFEST, DataError, PreparedData, plan_and_check, prepare
@@ -62,7 +63,7 @@ def checked_config(
     )
     from trainer.hf import HFWeights, resolve_model  # noqa: PLC0415 -- torch: after the values
 
-    cfg = to_job_config(dictcfg)  # model=hf: config.json's shape already (cluster/config.py)
+    cfg = to_job_config(dictcfg)  # model=hf: config.json's shape already (cluster/compose.py)
     if cfg.model.hf_path:
         check_context(cfg)
     cfg.validate()

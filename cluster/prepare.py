@@ -28,7 +28,8 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config import ConfigError, JobConfig, register_schemas
+from cluster.compose import register_schemas
+from cluster.config import ConfigError, JobConfig
 from cluster.launch import connect_largest
 from cluster.preflight import checked_config
 from trainer.data import (

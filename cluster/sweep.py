@@ -29,42 +29,51 @@ They run in rotation (Hydra's basic launcher runs its job list in order: the cal
 the sweeper reads the overrides, rewrites the first swept list `a,b` into `a,b,a,b,a,b`, whose
 product with the other swept lists is K rounds of every job); `+sweep.interleave=false` runs
 each job's repeats back to back instead (the last swept list becomes `a,a,a,b,b,b`). The
-`sweep.*` overrides are taken out of the jobs' overrides (no job sees them). The report ranks
-configurations by the median of their repeats' medians, and calls two apart only when the
-ranges of those medians do not overlap.
+`sweep.*` overrides are taken out of the jobs' overrides (no job sees them): sweep_repeats.py.
+The report ranks configurations by the median of their repeats' medians, and calls two apart
+only when the ranges of those medians do not overlap.
 
-Each job of a sweep gets its own Ray run name (`sweep_run_name`), so its checkpoints never mix
-with another job's: a job never resumes from its neighbour's checkpoint. Launching the same sweep
-again with the same hydra.sweep.dir resumes each job from its own checkpoints.
+Each job of a sweep gets its own Ray run name (`sweep_run_name`, job_slot.py: where a job sits
+in the sweep, told to it through the environment), so its checkpoints never mix with another
+job's: a job never resumes from its neighbour's checkpoint. Launching the same sweep again
+with the same hydra.sweep.dir resumes each job from its own checkpoints.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
-import hashlib
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobStatus
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from cluster.address import joins_cluster
 from cluster.config import ConfigError, JobConfig, flatten
-from cluster.launch import connect_for_jobs, joins_cluster
+from cluster.job_slot import (
+    PARENT_RUN_ENV,
+    SWEEP_JOBS_ENV,
+    SWEEP_REPEAT_ENV,
+    SWEEP_VARIED_ENV,
+    SWEPT_KEYS_ENV,
+    JobSlot,
+    job_label,
+    sweep_run_name,
+)
+from cluster.launch import connect_for_jobs
 from cluster.logs import quiet_libraries
 from cluster.preflight import checked_config, preflight
 from cluster.report import write_report
+from cluster.sweep_repeats import Repeats, apply_repeats, repeat_indices, repeats_of
 from cluster.tracking.runs import (
     compared_params,
     create_sweep_run,
@@ -76,182 +85,7 @@ from cluster.tracking.runs import (
 )
 from trainer.metrics import MLflowLogger
 
-PARENT_RUN_ENV = "ELASTIC_FSDP_SWEEP_PARENT_RUN_ID"
-"""The sweep's parent MLflow run id, set by SweepCallback for the jobs (env: any launcher sees
-it)."""
-SWEPT_KEYS_ENV = "ELASTIC_FSDP_SWEEP_KEYS"
-"""Comma-separated keys the sweep varies; a job's run is named after its values of these."""
-SWEEP_JOBS_ENV = "ELASTIC_FSDP_SWEEP_JOBS"
-SWEEP_REPEAT_ENV = "ELASTIC_FSDP_SWEEP_REPEAT"
-"""Comma-separated, per job: which repeat of its configuration it is (from 0)."""
-SWEEP_VARIED_ENV = "ELASTIC_FSDP_SWEEP_VARIED"
-"""Comma-separated config keys (flattened) whose values differ between the jobs: MLflow params
-of every child, beside cluster/tracking/runs.py COMPARED_PARAMS."""
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
-DEFAULT_REPEATS = 3
-"""Repeats of `+sweep.interleave=true` without `+sweep.repeats`."""
-
-
-@dataclass(frozen=True)
-class JobSlot:
-    """Where a job sits in a sweep; None stands for a plain run."""
-
-    num: int
-    """hydra.job.num: the job's index in the sweep."""
-    sweep_dir: str
-    """Absolute hydra.sweep.dir."""
-    label: str
-    """The job's values of the swept keys, e.g. 'sharding=no_shard'."""
-    parent_run_id: Optional[str] = None
-    """The sweep's MLflow parent run; None when tracking is off."""
-    total: Optional[int] = None
-    """How many jobs the sweep has (None when its sweeper decides as it goes)."""
-    repeat: int = 0
-    """Which repeat of its configuration this job is, from 0 (+sweep.repeats)."""
-    repeated: bool = False
-    """Whether the sweep repeats its jobs: the run names then count the repeats."""
-    varied: tuple = ()
-    """The config keys whose values differ between the sweep's jobs (MLflow params)."""
-
-    @property
-    def name(self) -> str:
-        """'job 3/4': counted from 1, of the sweep's jobs (Hydra's folder is num, from 0)."""
-        return f"job {self.num + 1}/{self.total}" if self.total else f"job {self.num + 1}"
-
-    @property
-    def run_name(self) -> str:
-        """The job's MLflow run name: its swept values, and '#2' for its second repeat."""
-        label = self.label or f"job {self.num}"
-        return f"{label} #{self.repeat + 1}" if self.repeated else label
-
-    @property
-    def prefix(self) -> str:
-        """What every console line of the job starts with: '[job 3/4 sharding=no_shard] '."""
-        label = self.run_name if self.label else ""
-        return f"[{' '.join(p for p in (self.name, label) if p)}] "
-
-
-def current_slot() -> Optional[JobSlot]:
-    """The running job's slot from HydraConfig, or None outside a multirun."""
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return None
-    keys = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k]
-    overrides = list(hydra_cfg.overrides.task)
-    num = int(hydra_cfg.job.num)
-    repeats = [int(r) for r in os.environ.get(SWEEP_REPEAT_ENV, "").split(",") if r]
-    return JobSlot(
-        num=num,
-        sweep_dir=os.path.abspath(hydra_cfg.sweep.dir),
-        label=job_label(overrides, keys),
-        parent_run_id=os.environ.get(PARENT_RUN_ENV) or None,
-        total=int(os.environ.get(SWEEP_JOBS_ENV) or 0) or None,
-        repeat=repeats[num] if num < len(repeats) else 0,
-        repeated=any(repeats),
-        varied=tuple(k for k in os.environ.get(SWEEP_VARIED_ENV, "").split(",") if k),
-    )
-
-
-def job_label(overrides: list[str], swept: list[str]) -> str:
-    """The overrides of the swept keys, in the order given: 'sharding=no_shard train.steps=5'."""
-    return " ".join(o for o in overrides if o.split("=", 1)[0] in swept)
-
-
-def sweep_run_name(run_name: str, slot: JobSlot) -> str:
-    """cluster.run_name of a sweep's job: one per job and per sweep directory.
-
-    The digest of the sweep directory keeps two sweeps apart; the job number keeps the jobs of
-    one sweep apart (each trains from step 0, never from its neighbour's checkpoint)."""
-    digest = hashlib.sha1(slot.sweep_dir.encode()).hexdigest()[:8]
-    return f"{run_name}-sweep{digest}-{slot.num}"
-
-
-# ---- repeats, in rotation ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Repeats:
-    """How often each job runs (+sweep.repeats) and in which order (+sweep.interleave)."""
-
-    count: int = 1
-    interleave: bool = True
-
-    def describe(self) -> str:
-        if self.count == 1:
-            return "each job once"
-        order = "in rotation" if self.interleave else "back to back"
-        return f"each job {self.count} times, {order}"
-
-
-def repeats_of(config: DictConfig) -> Repeats:
-    """+sweep.repeats / +sweep.interleave of the command line (or a `sweep:` config section),
-    or exit 2 naming the key, the value and what is valid."""
-    count = OmegaConf.select(config, "sweep.repeats", default=None)
-    interleave = OmegaConf.select(config, "sweep.interleave", default=None)
-    if interleave is not None and not isinstance(interleave, bool):
-        _refuse("sweep.interleave", interleave, "true or false")
-    if count is None:
-        count = DEFAULT_REPEATS if interleave else 1
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        _refuse("sweep.repeats", count, "a positive integer (how often each job runs)")
-    return Repeats(count, interleave if interleave is not None else True)
-
-
-def _refuse(key: str, value: object, valid: str) -> None:
-    print(f"error: invalid config: {key}={value!r}; valid: {valid}", file=sys.stderr)
-    sys.exit(2)
-
-
-def apply_repeats(config: DictConfig, repeats: Repeats) -> None:
-    """Take the sweep.* overrides out of the jobs' overrides and, for repeats, rewrite one swept
-    list so that Hydra's basic sweeper (the product of the swept lists, the last varying
-    fastest) runs every job `repeats.count` times: the first list repeated whole for rounds of
-    every job, or each value of the last list repeated for back-to-back repeats."""
-    task = [o for o in config.hydra.overrides.task if not _is_sweep_setting(o)]
-    if repeats.count > 1:
-        task = _repeated(config, task, repeats)
-    with read_write(config), open_dict(config):
-        config.hydra.overrides.task = task
-
-
-def _is_sweep_setting(override: str) -> bool:
-    return override.lstrip("+~").split("=", 1)[0].startswith("sweep.")
-
-
-def _repeated(config: DictConfig, task: list[str], repeats: Repeats) -> list[str]:
-    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    if params:
-        print(
-            "error: invalid config: sweep.repeats with hydra.sweeper.params; valid: the swept "
-            "lists on the command line (sharding=a,b +sweep.repeats=3)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    swept = [i for i, o in enumerate(parser.parse_overrides(task)) if o.is_sweep_override()]
-    if not swept:
-        _refuse("sweep.repeats", repeats.count, "1 for a sweep without a swept list (a,b)")
-    at = swept[0] if repeats.interleave else swept[-1]
-    override = parser.parse_overrides([task[at]])[0]
-    values = list(override.sweep_string_iterator())
-    if repeats.interleave:
-        values = values * repeats.count
-    else:
-        values = [v for v in values for _ in range(repeats.count)]
-    task = list(task)
-    task[at] = task[at].split("=", 1)[0] + "=" + ",".join(values)
-    return task
-
-
-def repeat_indices(jobs: list[list[str]], keys: list[str]) -> list[int]:
-    """Per job, how many earlier jobs had the same swept values: its repeat, from 0."""
-    seen: dict[str, int] = {}
-    out = []
-    for overrides in jobs:
-        label = job_label(overrides, keys)
-        out.append(seen.get(label, 0))
-        seen[label] = out[-1] + 1
-    return out
 
 
 # ---- the whole sweep, before its first job ----------------------------------------------------

@@ -32,21 +32,17 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config import (
-    ConfigError,
-    JobConfig,
-    job_to_dict,
-    register_schemas,
-    run_folder,
-    snapshots_on,
-)
-from cluster.launch import build_trainer, connect_for_jobs, joins_cluster, ray_job_tags
+from cluster.address import joins_cluster
+from cluster.compose import register_schemas
+from cluster.config import ConfigError, JobConfig, job_to_dict, snapshots_on
+from cluster.job_slot import JobSlot, current_slot, sweep_run_name
+from cluster.launch import build_trainer, connect_for_jobs, ray_job_tags
 from cluster.logs import quiet_libraries, tee_to_job_log, wait_for_workers_output
 from cluster.preflight import checked_config, preflight
 from cluster.run.fatal import fatal_error
+from cluster.run.layout import run_folder
 from cluster.run.lease import LeaseHeld, LeaseLost, RunLease, ray_identity
 from cluster.run.ray_checkpoint import read_pointer
-from cluster.sweep import JobSlot, current_slot, sweep_run_name
 from cluster.tracking.job import data_metrics, finish_tracking, start_tracking
 from cluster.tracking.runs import (
     end_abandoned_run,

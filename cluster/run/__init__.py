@@ -1,6 +1,7 @@
 """A run's own files in its Ray run folder (<cluster.storage_path>/<cluster.run_name>, laid out as
-cluster/config.py run_folder says), and who writes them:
+layout.py says), and who writes them:
 
+    layout.py           the paths: run_folder, checkpoint_root, the folders' names
     folder.py           the elastic/ folder's small JSON documents (RunFolder)
     lease.py            the run lease: one launch at a time owns the run name
     ray_checkpoint.py   the pointer folders that report the loop's checkpoints to Ray Train

@@ -2,7 +2,7 @@
 worker-group starts, and with the driver.
 
 The run folder is Ray Train's, <cluster.storage_path>/<cluster.run_name> (its layout:
-cluster/config.py run_folder); its elastic/ folder holds, each written by the module named:
+cluster/run/layout.py); its elastic/ folder holds, each written by the module named:
 
     fault.json                the fired fault drill: kind, rank, step, time (elastic/faults.py)
     drain_request.json        the controller's drain request before a grow (elastic/grow.py)
@@ -21,14 +21,9 @@ import json
 import uuid
 from typing import Optional
 
-from cluster.config import ELASTIC_DIR, ClusterConfig, run_folder
+from cluster.config import ClusterConfig
+from cluster.run.layout import ELASTIC_DIR, ray_run_folder, run_folder
 from trainer.storage import Location, list_dir, read_bytes, resolve, write_atomic
-
-
-def ray_run_folder(storage) -> Location:
-    """The run folder as Ray Train's context in a worker has it
-    (ray.train.get_context().get_storage(): a StorageContext)."""
-    return resolve(storage.experiment_fs_path, storage.storage_filesystem)
 
 
 class RunFolder:

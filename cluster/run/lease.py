@@ -35,7 +35,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from cluster.config import LEASE_DIR
+from cluster.run.layout import LEASE_DIR
 from trainer import storage
 from trainer.storage import Location
 
@@ -318,7 +318,7 @@ class LeaseGuard:
     LIST and one small read per call (the loop asks before each save)."""
 
     def __init__(self, run: Location, launch_id: str):
-        """`run`: the run folder (a worker's: cluster/run/folder.py ray_run_folder)."""
+        """`run`: the run folder (a worker's: cluster/run/layout.py ray_run_folder)."""
         self.folder, self.launch_id = run.child(LEASE_DIR), launch_id
 
     def __call__(self) -> Optional[str]:

@@ -16,7 +16,7 @@ import json
 import time
 from typing import Optional
 
-from cluster.config import POINTER_DIR
+from cluster.run.layout import POINTER_DIR
 
 POINTER_FILE = "pointer.json"
 

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Optional
 import psutil
 from omegaconf import OmegaConf
 
+from cluster.address import ray_address
 from cluster.config import JobConfig
-from cluster.launch import ray_address
 from cluster.tracking.plots import plot_loss_curves
 from cluster.tracking.runs import create_run, end_run, metric_history, set_note
 from cluster.tracking.summary import SUMMARY, RunStats, describe, run_stats
 from trainer.metrics import MLflowLogger
 
 if TYPE_CHECKING:  # annotations only
-    from cluster.sweep import JobSlot
+    from cluster.job_slot import JobSlot
     from trainer.data import PreparedInfo
 
 

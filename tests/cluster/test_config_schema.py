@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from cluster.config import (
-    JobConfig,
-    checkpoint_root,
-    job_from_dict,
-    job_to_dict,
-    register_schemas,
-    to_job_config,
-)
+from cluster.compose import register_schemas, to_job_config
+from cluster.config import JobConfig, job_from_dict, job_to_dict
 from cluster.launch import build_trainer, local_num_cpus
 from cluster.preflight import with_absolute_paths
+from cluster.run.layout import checkpoint_root
 from trainer.config import PRESETS, ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -40,7 +40,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-from cluster.config import register_schemas, to_job_config
+from cluster.compose import register_schemas, to_job_config
 from tests.cluster.elastic_cluster import LocalCluster, attempts, start_cli, wait_until
 from tests.cluster.elastic_reference import reference_losses
 from trainer.checkpoint import list_checkpoints

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from cluster.config import ConfigError, register_schemas
+from cluster.compose import register_schemas
+from cluster.config import ConfigError
 from cluster.preflight import checked_config
 from tests.cluster.conftest import REPO, run_cli
 

@@ -22,9 +22,11 @@ from hydra.types import RunMode
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from cluster.config import JobConfig, job_from_dict, register_schemas
+from cluster.compose import register_schemas
+from cluster.config import JobConfig, job_from_dict
 from cluster.report import REPORT_ARTIFACTS
-from cluster.sweep import Repeats, apply_repeats, planned_jobs, repeat_indices
+from cluster.sweep import planned_jobs
+from cluster.sweep_repeats import Repeats, apply_repeats, repeat_indices
 from cluster.tracking.plots import PLOT_SIZE_PX
 from cluster.tracking.runs import NOTE_TAG, compared_params, create_run
 from cluster.tracking.source import git_commit

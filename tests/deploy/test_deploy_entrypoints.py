@@ -27,7 +27,8 @@ from deploy_helpers import (
 )
 from hydra import compose, initialize_config_dir
 
-from cluster.config import JobConfig, register_schemas, to_job_config
+from cluster.compose import register_schemas, to_job_config
+from cluster.config import JobConfig
 from trainer.config import PRESETS
 
 PROJECT_PACKAGES = ("cluster", "trainer")
