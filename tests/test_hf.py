@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from tests.dist_utils import run_distributed
 from tests.hf.tiny import ours_from_hf, transformers_first_loss
 from trainer.checkpoint import CheckpointReader, list_checkpoints
-from trainer.checkpoint.__main__ import main as checkpoint_main
 from trainer.config import ConfigError, DataConfig, ModelConfig, ShardingConfig, TrainerConfig
 from trainer.data import prepare
 from trainer.fsdp import NO_INIT, build_mesh, parallelize
@@ -34,6 +33,7 @@ from trainer.hf import (
     read_hf_config,
     resolve_model,
 )
+from trainer.hf.__main__ import main as hf_main
 from trainer.model import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -278,12 +278,7 @@ def test_a_trained_checkpoint_exported_as_hf_loads_in_transformers_with_our_logi
     root = str(tmp_path / "ckpt")
     run = run_distributed(_train_from_hf, 2, hf_job, root)[0]
     out = tmp_path / "hf_out"
-    assert (
-        checkpoint_main(
-            ["export", run["last"], str(out), "--format", "hf", "--max-shard-gb", str(40 / 2**20)]
-        )
-        == 0
-    )
+    assert hf_main(["export", run["last"], str(out), "--max-shard-gb", str(40 / 2**20)]) == 0
     assert (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     cfg = resolve_model(hf_job.model)
@@ -336,7 +331,7 @@ def test_export_hands_over_the_runs_tokenizer(saved, tmp_path):
 
 def test_import_hf_cli_makes_a_checkpoint_a_run_resumes_from(saved, hf_job, tmp_path, capsys):
     root = tmp_path / "runs" / "ft" / "checkpoints"
-    assert checkpoint_main(["import-hf", str(saved["llama3_rope"]), str(root)]) == 0
+    assert hf_main(["import", str(saved["llama3_rope"]), str(root)]) == 0
     assert "step 0" in capsys.readouterr().out
     cfg = dataclasses.replace(hf_job, model=dataclasses.replace(hf_job.model))
     run = run_distributed(_train_from_hf, 2, cfg, str(root))[0]

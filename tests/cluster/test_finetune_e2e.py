@@ -73,8 +73,7 @@ def finetuned(tmp_path_factory):
     (last,) = [c for c in list_checkpoints(f"{launch}/runs/ft/checkpoints") if c.step == STEPS]
     out = launch / "hf"
     export = subprocess.run(
-        [sys.executable, "-m", "trainer.checkpoint", "export", last.path, str(out), "--format",
-         "hf"],
+        [sys.executable, "-m", "trainer.hf", "export", last.path, str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert export.returncode == 0, export.stdout + export.stderr

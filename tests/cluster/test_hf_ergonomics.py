@@ -56,10 +56,8 @@ def module_cli(cwd: Path, module: str, *args: str) -> subprocess.CompletedProces
 
 @pytest.fixture
 def imported(launch_dir, src):
-    """`import-hf SRC runs/ft/checkpoints` from the launch dir; its output."""
-    done = module_cli(
-        launch_dir, "trainer.checkpoint", "import-hf", str(src), "runs/ft/checkpoints"
-    )
+    """`python -m trainer.hf import SRC runs/ft/checkpoints` from the launch dir; its output."""
+    done = module_cli(launch_dir, "trainer.hf", "import", str(src), "runs/ft/checkpoints")
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -134,9 +132,7 @@ def test_seq_len_beyond_max_position_embeddings_names_both(launch_dir, src):
 def test_an_export_of_a_model_whose_bos_is_0_keeps_0_and_sets_no_max_length(launch_dir, imported):
     step = launch_dir / "runs" / "ft" / "checkpoints" / "step_000000000"
     out = launch_dir / "hf_out"
-    done = module_cli(
-        launch_dir, "trainer.checkpoint", "export", str(step), str(out), "--format", "hf"
-    )
+    done = module_cli(launch_dir, "trainer.hf", "export", str(step), str(out))
     assert done.returncode == 0, done.stderr
     config = json.loads((out / "config.json").read_text())
     generation = json.loads((out / "generation_config.json").read_text())

@@ -24,7 +24,6 @@ from tests.hf.tiny import (
     transformers_logits,
 )
 from trainer.checkpoint import CheckpointReader
-from trainer.checkpoint.__main__ import main as checkpoint_main
 from trainer.config import ConfigError, ModelConfig, ShardingConfig
 from trainer.fsdp import NO_INIT, build_mesh, parallelize
 from trainer.fsdp.state import full_parameters, load_params
@@ -38,6 +37,7 @@ from trainer.hf import (
     is_rotary,
     read_hf_config,
 )
+from trainer.hf.__main__ import main as hf_main
 from trainer.model import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -268,7 +268,7 @@ def test_import_hf_cli_refuses_a_sliding_window_by_name(saved, tmp_path, capsys)
         (bad / f.name).write_bytes(f.read_bytes())
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
-    assert checkpoint_main(["import-hf", str(bad), str(tmp_path / "ckpt")]) != 0
+    assert hf_main(["import", str(bad), str(tmp_path / "ckpt")]) != 0
     assert "sliding_window=4096" in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
 

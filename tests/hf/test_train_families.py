@@ -11,9 +11,9 @@ import pytest
 
 from tests.dist_utils import run_distributed
 from tests.hf.tiny import save, transformers_first_loss
-from trainer.checkpoint.__main__ import main as checkpoint_main
 from trainer.config import DataConfig, ModelConfig, TrainerConfig
 from trainer.data import prepare
+from trainer.hf.__main__ import main as hf_main
 
 transformers = pytest.importorskip("transformers")
 BYTE_VOCAB = dict(vocab_size=300)  # byte-level data: at least 256 ids
@@ -53,7 +53,7 @@ def test_a_tied_qwen2_resumes_from_import_hf_starting_at_transformers_loss(data,
     src = save("qwen2_tied", tmp_path / "qwen2", fields=BYTE_VOCAB)
     root = tmp_path / "runs" / "ft" / "checkpoints"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert checkpoint_main(["import-hf", str(src), str(root)]) == 0
+        assert hf_main(["import", str(src), str(root)]) == 0
     cfg = job(src, data)
     run = run_distributed(_train, 2, cfg, str(root))[0]
     assert "resumed from" in run["printed"] and "initialised from" not in run["printed"]

@@ -5,8 +5,10 @@
     python -m trainer.checkpoint verify  s3://bucket/run/step_000000060   # + NaN/Inf; rc 1 if bad
     python -m trainer.checkpoint verify  --allow-nonfinite PATH           # checksums only
     python -m trainer.checkpoint export  runs/checkpoints/step_000000060 out/ [--dtype bfloat16]
-    python -m trainer.checkpoint export  runs/checkpoints/step_000000060 hf/ --format hf
-    python -m trainer.checkpoint import-hf /models/Llama-3.2-1B/ runs/my-run/checkpoints/
+
+Hugging Face checkpoints in and out are `python -m trainer.hf import|export` (trainer/hf/
+__main__.py): this package never imports trainer/hf/. The old spellings here (`import-hf`,
+`export --format hf`) fail with one line naming the new command.
 
 Exit codes: 0 fine, 1 invalid/corrupt checkpoint, 2 usage or I/O error. Errors caused by the
 input are one line, `error: ...`, on stderr (no traceback).
@@ -15,6 +17,7 @@ input are one line, `error: ...`, on stderr (no traceback).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from datetime import datetime
@@ -28,7 +31,6 @@ from trainer.checkpoint.export import export
 from trainer.checkpoint.format import (
     MANIFEST,
     CheckpointError,
-    dtype_from_name,
     dtype_name,
     numel_of,
     parse_step_dir,
@@ -37,17 +39,12 @@ from trainer.checkpoint.keys import param_name
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.verify import verify
 from trainer.config import ConfigError
-from trainer.hf import config_from_hf, export_hf, import_hf, read_hf_config
-
-DEFAULT_SEQ_LEN = 128
-"""The default job's data.seq_len (conf/data/stdlib.yaml): the import's command lowers it to a
-model whose context is shorter."""
 
 ONE_CHECKPOINT = "a checkpoint directory (step_NNNNNNNNN)"
 CHECKPOINT_OR_ROOT = f"{ONE_CHECKPOINT} or a folder holding them"
 
 
-def _require_dir(path: str, valid: str) -> None:
+def require_dir(path: str, valid: str) -> None:
     """StorageError (exit 2, one line) unless `path` is an existing directory."""
     loc = storage.resolve(path)
     kind = loc.fs.get_file_info(loc.path).type
@@ -165,7 +162,7 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 
 def cmd_inspect(path: str) -> int:
-    _require_dir(path, CHECKPOINT_OR_ROOT)
+    require_dir(path, CHECKPOINT_OR_ROOT)
     if not _is_step_dir(path):
         return _inspect_root(path)
     problem = check(storage.resolve(path))
@@ -240,11 +237,7 @@ def cmd_verify(path: str, allow_nonfinite: bool = False) -> int:
     return 0
 
 
-def cmd_export(path: str, out: str, dtype, fmt: str, max_shard_gb: float) -> int:
-    if fmt == "hf":
-        torch_dtype = dtype_from_name(dtype, "--dtype") if dtype else None
-        export_hf(path, out, torch_dtype, int(max_shard_gb * 2**30))
-        return 0
+def cmd_export(path: str, out: str, dtype) -> int:
     s = export(path, out, dtype)
     print(
         f"exported step {s['step']}: {s['tensors']} tensors, {s['parameters']:,} parameters "
@@ -253,39 +246,25 @@ def cmd_export(path: str, out: str, dtype, fmt: str, max_shard_gb: float) -> int
     return 0
 
 
-def cmd_import_hf(src: str, dest: str) -> int:
-    path = import_hf(src, dest)
-    print(f"imported {src} -> {path} (step 0)")
-    print("train from it (a run resumes from the newest checkpoint of its cluster.run_name):")
-    print(f"  {train_command(src, dest)}")
-    if not storage.exists(storage.resolve(src).child("tokenizer.json")):
-        print(
-            f"  (no tokenizer.json in {src}: add data.tokenizer=<the model's tokenizer.json>, "
-            "or the data is byte-level)"
-        )
-    return 0
+def _moved(old: str, new: list[str]) -> int:
+    """The Hugging Face commands moved to `python -m trainer.hf` (this package never imports
+    trainer/hf/): one line naming the command to run instead, exit 2 (a usage error)."""
+    print(
+        f"error: `python -m trainer.checkpoint {old}` moved; run: "
+        f"python -m trainer.hf {shlex.join(new)}",
+        file=sys.stderr,
+    )
+    return 2
 
 
-def train_command(src: str, dest: str) -> str:
-    """The `python -m cluster.train` command whose run resumes from the import at `dest`: the
-    model is the source's (model=hf model.hf_path=src: its shape and vocabulary), the run folder
-    the one holding `dest` (<cluster.storage_path>/<cluster.run_name>/checkpoints, the layout
-    of cluster/config.py's run_folder), the tokenizer the source's own when it has one, and the
-    default data's windows within the model's context."""
-    args = ["python -m cluster.train", "model=hf", f"model.hf_path={src}"]
-    parent, _, last = dest.rstrip("/").rpartition("/")
-    storage_path, _, run_name = parent.rpartition("/")
-    if last == "checkpoints" and storage_path and run_name:
-        args += [f"cluster.storage_path={storage_path}", f"cluster.run_name={run_name}"]
-    else:  # another folder: the run's checkpoints folder must be this one
-        args += [f"cluster.run_name=<a name: then move {dest} to runs/<name>/checkpoints>"]
-    tokenizer = storage.resolve(src).child("tokenizer.json")
-    if storage.exists(tokenizer):
-        args.append(f"data.tokenizer={src.rstrip('/')}/tokenizer.json")
-    context = config_from_hf(read_hf_config(src), f"{src}/config.json").max_seq_len
-    if context < DEFAULT_SEQ_LEN:
-        args.append(f"data.seq_len={context}")
-    return " ".join(args)
+def _moved_export(args) -> list[str]:
+    """`export --format hf`'s arguments as `python -m trainer.hf export` takes them."""
+    new = ["export", args.path, args.out]
+    if args.dtype:
+        new += ["--dtype", args.dtype]
+    if args.max_shard_gb is not None:
+        new += ["--max-shard-gb", str(args.max_shard_gb)]
+    return new
 
 
 def main(argv=None) -> int:
@@ -315,33 +294,27 @@ def main(argv=None) -> int:
         "--format",
         default="native",
         choices=["native", "hf"],
-        help="hf: transformers' layout of the model's family (Llama, Qwen2, Qwen3, Mistral: "
-        "config.json, generation_config.json with every end-of-turn id, model*.safetensors, "
-        "index, tokenizer files with the run's chat template), loadable by transformers and vLLM",
+        help="hf: moved to `python -m trainer.hf export`",
     )
     ex.add_argument(
-        "--max-shard-gb",
-        type=float,
-        default=5.0,
-        help="--format hf: safetensors files of at most this many GiB",
+        "--max-shard-gb", type=float, default=None, help="moved to `python -m trainer.hf export`"
     )
-    im = sub.add_parser(
-        "import-hf",
-        help="a step-0 checkpoint of a Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral model",
-    )
-    im.add_argument("src", help="folder or URI with config.json and model*.safetensors")
-    im.add_argument("dest", help="a run's checkpoints folder, e.g. runs/my-run/checkpoints")
+    im = sub.add_parser("import-hf", help="moved to `python -m trainer.hf import`")
+    im.add_argument("src")
+    im.add_argument("dest")
     args = ap.parse_args(argv)
+    if args.cmd == "import-hf":
+        return _moved("import-hf", ["import", args.src, args.dest])
+    if args.cmd == "export" and args.format == "hf":
+        return _moved("export --format hf", _moved_export(args))
     try:
         if args.cmd == "inspect":
             return cmd_inspect(args.path)
         if args.cmd in ("verify", "export"):
-            _require_dir(args.path, ONE_CHECKPOINT)
+            require_dir(args.path, ONE_CHECKPOINT)
         if args.cmd == "verify":
             return cmd_verify(args.path, args.allow_nonfinite)
-        if args.cmd == "import-hf":
-            return cmd_import_hf(args.src, args.dest)
-        return cmd_export(args.path, args.out, args.dtype, args.format, args.max_shard_gb)
+        return cmd_export(args.path, args.out, args.dtype)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -6,6 +6,9 @@ both ways, weights in by byte range, weights out in transformers' safetensors la
     load_params(fsdp, weights.read)          # each rank reads only the byte ranges of its shard
     export_hf(checkpoint_path, "out/", dtype=torch.bfloat16)  # config.json, model*.safetensors, ...
 
+    python -m trainer.hf import /models/Llama-3.2-1B/ runs/my-run/checkpoints/   # __main__.py
+    python -m trainer.hf export runs/my-run/checkpoints/step_000000060 out/ --dtype bfloat16
+
     family.py       what a model family provides: config mapping both ways, names, shapes
     llama.py        the Llama family and the Llama-shaped decoder all families share
     qwen2.py        Qwen2/2.5: q/k/v biases
@@ -16,6 +19,7 @@ both ways, weights in by byte range, weights out in transformers' safetensors la
     safetensors.py  weights in: ranged safetensors reads, HFWeights (our parameters)
     writer.py       weights out: the streaming SafetensorsWriter, export_hf
     importer.py     the import command: import_hf and its step-0 trainer state
+    __main__.py     the commands: import (import_hf) and export (export_hf)
 
 A new family is one module defining a `Family`, added to `config.FAMILIES`.
 """

@@ -1,6 +1,6 @@
 """The import command: a Hugging Face checkpoint as a step-0 sharded checkpoint of ours.
 
-    python -m trainer.checkpoint import-hf /models/Llama-3.1-8B/ runs/llama-ft/checkpoints/
+    python -m trainer.hf import /models/Llama-3.1-8B/ runs/llama-ft/checkpoints/
 
 The checkpoint is written as files of about IMPORT_RANK_BYTES each (one "rank" each), so the
 importer holds one such file's tensors at a time, never the model; any world size, strategy or
