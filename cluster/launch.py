@@ -18,7 +18,6 @@ from cluster.address import NoCluster, join_address, joins_cluster
 from cluster.capacity import Capacity, Request, worker_resources
 from cluster.config import ClusterConfig, JobConfig
 from cluster.elastic import spares
-from cluster.elastic.grow import GrowDrain
 from cluster.logs import NEVER_DEDUP, plain_ray_console, quiet_ray_driver, ray_train_logging
 from cluster.run.folder import RunFolder
 from cluster.tracking.source import COMMIT_ENV, source_tags
@@ -197,22 +196,16 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
     checkpoints, the loop its checkpoint folder."""
     import ray.train.torch  # noqa: PLC0415 -- ray costs seconds to import: only to run a job
 
-    from cluster.elastic.clock import RestartClock  # noqa: PLC0415 -- imports Ray Train
-    from cluster.elastic.cluster_view import ClusterView  # noqa: PLC0415 -- the same
-    from cluster.elastic.drain import SigtermCallback  # noqa: PLC0415 -- the same
-    from cluster.elastic.preemption import replace_rays_watcher  # noqa: PLC0415 -- the same
+    from cluster.elastic.callbacks import ray_callbacks  # noqa: PLC0415 -- imports Ray Train
 
     c = cfg.cluster
-    preemption = replace_rays_watcher()  # Ray's own logs an ERROR line at every group start
     set_health_check_interval(c.health_check_interval_s)
     lo, hi = c.world_sizes
-    elastic = c.min_workers is not None
-    # the running group checkpoints before Ray grows it (the controller reaches the run folder)
     folder = RunFolder.of_run(c)
     launch_id = train_loop_config.get("launch", {}).get("launch_id", "")
-    grow = GrowDrain(folder, c.drain_on_grow_timeout_s, launch_id=launch_id)
+    callbacks = ray_callbacks(c, folder, launch_id)  # the elastic parts (cluster/elastic/)
     scaling = ray.train.ScalingConfig(
-        num_workers=(lo, hi) if elastic else hi,
+        num_workers=(lo, hi) if c.elastic else hi,
         use_gpu=c.use_gpu,
         resources_per_worker=worker_resources(c),
         elastic_resize_monitor_interval_s=c.elastic_resize_monitor_interval_s,
@@ -230,24 +223,7 @@ def build_trainer(cfg: JobConfig, train_loop_config: dict):
             # Applies to Ray's pointer folders only (cluster/run/ray_checkpoint.py); the loop prunes
             # the real checkpoints with the same count.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            callbacks=[SigtermCallback(), RestartClock(folder, launch_id)]
-            + ([preemption] if preemption else [])
-            + (
-                [
-                    ClusterView(
-                        c.elastic_resize_monitor_interval_s,
-                        lo,
-                        grow,
-                        max_workers=hi,
-                        settle_s=c.grow_settle_s,
-                        warm_joined=spares.joined_node_warmer(folder, launch_id, c)
-                        if c.spares_on
-                        else None,
-                    )
-                ]
-                if elastic
-                else []
-            ),
+            callbacks=callbacks,
             # Ray Train's INFO lines (one per report per rank among them) only when verbose
             logging_config=ray_train_logging(c.verbose),
             # every worker process runs spares.preload: it warms the spares (elastic/spares.py)

@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cluster.address import joins_cluster
 from cluster.compose import register_schemas
-from cluster.config import ConfigError, JobConfig, job_to_dict, snapshots_on
+from cluster.config import ConfigError, JobConfig, job_to_dict
 from cluster.job_slot import JobSlot, current_slot, sweep_run_name
 from cluster.launch import build_trainer, connect_for_jobs, ray_job_tags
 from cluster.logs import quiet_libraries, tee_to_job_log, wait_for_workers_output
@@ -43,6 +43,7 @@ from cluster.run.fatal import fatal_error
 from cluster.run.layout import run_folder
 from cluster.run.lease import LeaseHeld, LeaseLost, RunLease, ray_identity
 from cluster.run.ray_checkpoint import read_pointer
+from cluster.snapshots.lifecycle import for_launch
 from cluster.tracking.job import data_metrics, finish_tracking, start_tracking
 from cluster.tracking.runs import (
     end_abandoned_run,
@@ -297,27 +298,20 @@ def fit(
 
     if startup is not None:
         startup.done("Ray Train import")
+    snapshots = for_launch(cfg, launch_id, previous_launch_id)  # and a dead launch's, to read
     launch = LaunchInfo(
         checkpoint_root=cfg.checkpoint_root,
         mlflow_run_id=run_id,
         data_dir=data_dir,
         launch_id=launch_id,
         startup=startup.handed_over() if startup else None,
-        previous_launch_id=previous_launch_id if snapshots_on(cfg) else None,
+        previous_launch_id=snapshots.previous_launch_id,
     )
-    if launch.previous_launch_id:
-        print(
-            f"snapshots: the previous launch {previous_launch_id} ended without stopping its "
-            "keepers; the resume also reads their snapshots"
-        )
-    elif previous_launch_id:  # this launch keeps no snapshots: nothing would read theirs
-        stop_snapshot_keepers(cfg, previous_launch_id, always=True)
     trainer = build_trainer(cfg, worker_config(job_to_dict(cfg), launch))
     try:
         result = trainer.fit()
     finally:  # the in-memory snapshots live as long as this launch (an inherited one's too)
-        for launch_of in filter(None, (launch_id, launch.previous_launch_id)):
-            stop_snapshot_keepers(cfg, launch_of)
+        snapshots.stop()
     wait_for_workers_output(launch_id)  # their last lines before the closing note (or next job)
     return result
 
@@ -329,19 +323,6 @@ def died_before(lease: RunLease) -> Optional[str]:
     if prev is None or prev.released or prev.launch_id == lease.holder.launch_id:
         return None
     return prev.launch_id
-
-
-def stop_snapshot_keepers(cfg: JobConfig, launch_id: str, always: bool = False) -> None:
-    """Free the keepers' memory (they are detached actors: they would outlive this driver).
-    `always`: also when this launch keeps no snapshots (another launch's keepers)."""
-    if not always and not snapshots_on(cfg):
-        return
-    from cluster.snapshots import keepers  # noqa: PLC0415 -- imports ray
-
-    try:
-        keepers.stop_keepers(keepers.run_key_of(cfg.cluster.run_name, launch_id))
-    except Exception as e:  # the run's outcome stands; say what was left
-        print(f"warning: could not stop the snapshot keepers ({type(e).__name__}: {e})")
 
 
 def closing_note(cfg: JobConfig, run_id: Optional[str], result, see_it: bool = True) -> dict:

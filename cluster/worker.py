@@ -14,20 +14,16 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
-from cluster.config import job_from_dict, snapshots_on
-from cluster.elastic.grow import DrainRequests
-from cluster.elastic.spares import (
-    SpareRequest,
-    match_torch_threads,
-    record_worker_env,
-    this_process,
-)
+from cluster.config import job_from_dict
+from cluster.elastic.spares import match_torch_threads
 from cluster.logs import end_of_output, quiet_libraries, quiet_ray_worker
 from cluster.run.fatal import end_fatally, fatal_errors
-from cluster.run.folder import RunFolder, ray_run_folder
+from cluster.run.folder import RunFolder
+from cluster.run.layout import ray_run_folder
 from cluster.run.lease import LeaseGuard
 from cluster.run.ray_checkpoint import read_pointer, report_checkpoint
 from cluster.run.reporter import Reporter
+from cluster.snapshots.lifecycle import LaunchSnapshots
 from trainer.metrics import MetricsLogger, MLflowLogger, NodeMetrics, NullLogger, print0
 
 
@@ -73,64 +69,70 @@ def assigned_device(use_gpu: bool):
     return ray.train.torch.get_device()
 
 
-def spare_request(cfg) -> Optional[Callable[[int], None]]:
-    """Each worker: a spare process on its node after the first step (elastic/spares.py)."""
-    return SpareRequest() if cfg.cluster.spares_on else None
-
-
 def train_loop_per_worker(config: dict) -> None:
     entered = time.time()
     # The driver imports this module too, and must not pay for ray and Ray Train (seconds)
     # before a config is checked; here the imports are timed (ElasticTracker's imports_s).
     import ray.train  # noqa: PLC0415 -- ray: seconds to import, and timed here
 
-    from cluster.elastic.drain import (  # noqa: PLC0415 -- imports Ray Train
-        WORKER_TIMES,
-        DrainWatcher,
-        preemption_notice,
-        training,
-    )
-    from cluster.elastic.faults import FaultInjector  # noqa: PLC0415 -- the same
-    from cluster.elastic.leave import leave_gracefully  # noqa: PLC0415 -- the same
-    from cluster.elastic.tracker import ElasticTracker, chain  # noqa: PLC0415 -- the same
-    from trainer.loop import WorkerContext, run_training  # noqa: PLC0415 -- the whole trainer
+    from cluster.elastic.drain import training  # noqa: PLC0415 -- imports Ray Train
+    from cluster.elastic.hooks import WorkerHooks  # noqa: PLC0415 -- the same
+    from trainer.loop import run_training  # noqa: PLC0415 -- the whole trainer
 
     match_torch_threads()  # a spare imported torch before Ray set OMP_NUM_THREADS
-    cfg = job_from_dict(config["job"])
+    cfg, launch = job_from_dict(config["job"]), LaunchInfo(**config["launch"])
     quiet_libraries(cfg.cluster.verbose)  # per process: the driver's setting does not reach here
     quiet_ray_worker(cfg.cluster.verbose)
-    launch = LaunchInfo(**config["launch"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     folder = RunFolder.of_ray_run(context.get_storage())
     logger = make_logger(rank, cfg.tracking.tracking_uri, launch.mlflow_run_id)
-    times = {
-        "context": WORKER_TIMES.get("context"),
-        "entered": entered,
-        "imported": time.time(),
-    }
-    tracker = ElasticTracker(
-        folder,
-        rank,
-        world_size,
-        launch.launch_id,
-        times,
-        startup=launch.startup,
-        process=this_process(),
-    )
+    hooks = WorkerHooks(cfg, folder, rank, world_size, launch.launch_id, entered, launch.startup)
     node_metrics = system_metrics(context, cfg, launch)
-    drain = DrainWatcher(
-        rank,
-        preemption_info=preemption_notice(),
-        requests=DrainRequests(folder, launch.launch_id) if rank == 0 else None,
-    )
     announce_resume(ray.train.get_checkpoint())
     reporter = Reporter(report_checkpoint, slow_s=REPORT_SLOW_S)  # never blocks the loop
-    if rank == 0 and cfg.cluster.spares_on:  # the controller starts spares on joined nodes
-        record_worker_env(folder, launch.launch_id)
-    ctx = WorkerContext(
+    snapshots = LaunchSnapshots.of(cfg, launch.launch_id, launch.previous_launch_id)
+    ctx = worker_context(cfg, launch, context, hooks, snapshots, reporter, logger, node_metrics)
+    try:
+        with training():
+            result = run_training(cfg, ctx)
+    except fatal_errors() as e:  # a retry would repeat it: the launch ends (run/fatal.py)
+        end_for_good(folder, rank, launch.launch_id, reporter, e)
+        return
+    finally:
+        logger.close()
+        if node_metrics is not None:
+            node_metrics.finish()
+    if result.steps_done < cfg.train.steps:  # the loop only returns early when asked to stop
+        reporter.drop()  # the next group resumes from the run folder, not from Ray's record
+        stop_keeper = snapshots.stop_node_keeper()
+        hooks.leave(result.steps_done, cfg.train.steps, result.last_checkpoint, stop_keeper)
+        return  # (not reached: leave ends the process or raises DrainedError)
+    reporter.flush(REPORT_FLUSH_S)  # Ray's record of the last checkpoint, before the end
+    if rank == 0:  # the driver waits for this line
+        hooks.finished(result.steps_done)
+        print(end_of_output(launch.launch_id), flush=True)
+
+
+def end_for_good(folder: RunFolder, rank: int, launch_id: str, reporter, error) -> None:
+    """The training failed in a way no restart would mend: no more reports to Ray, the error
+    recorded for the driver (end_fatally), and rank 0's last line, which the driver waits for."""
+    reporter.drop()
+    end_fatally(folder, rank, launch_id, error)
+    if rank == 0:
+        print(end_of_output(launch_id), flush=True)
+
+
+def worker_context(cfg, launch: LaunchInfo, context, hooks, snapshots, reporter, logger, metrics):
+    """What the loop is told (trainer.loop.WorkerContext): who this rank is, where the launch
+    reads and writes (its checkpoints, its snapshots and the dead previous launch's, Ray's
+    report of each commit, the run lease), and the elastic hooks (cluster/elastic/hooks.py)."""
+    from trainer.loop import WorkerContext  # noqa: PLC0415 -- the whole trainer, timed above
+
+    rank = context.get_world_rank()
+    return WorkerContext(
         rank=rank,
-        world_size=world_size,
+        world_size=context.get_world_size(),
         local_rank=context.get_local_rank(),
         local_world_size=context.get_local_world_size(),
         checkpoint_root=launch.checkpoint_root,
@@ -140,52 +142,16 @@ def train_loop_per_worker(config: dict) -> None:
         # is newer when a worker died between commit and report, so Ray's is not passed here.
         resume_from=None,
         on_checkpoint=reporter.report,
-        should_stop=drain,
+        should_stop=hooks.drain,
         logger=logger,
         device=assigned_device(cfg.cluster.use_gpu),
-        before_step=chain(
-            tracker.before_step,
-            FaultInjector(cfg.fault, rank, folder),
-            spare_request(cfg),
-        ),
-        after_step=after_steps(tracker.on_step, node_metrics and node_metrics.on_step),
+        before_step=hooks.before_step,
+        after_step=after_steps(hooks.on_step, metrics and metrics.on_step),
         may_write=LeaseGuard(ray_run_folder(context.get_storage()), launch.launch_id),
-        snapshot_root=snapshot_root(cfg, launch),
-        inherited_snapshots=inherited_snapshots(cfg, launch),
-        release_inherited=release_inherited(cfg, launch) if rank == 0 else None,
+        snapshot_root=snapshots.root(),
+        inherited_snapshots=snapshots.inherited_root(),
+        release_inherited=snapshots.release_inherited() if rank == 0 else None,
     )
-    try:
-        with training():
-            result = run_training(cfg, ctx)
-    except fatal_errors() as e:
-        reporter.drop()
-        end_fatally(folder, rank, launch.launch_id, e)
-        if rank == 0:  # the driver waits for this line
-            print(end_of_output(launch.launch_id), flush=True)
-        return
-    finally:
-        logger.close()
-        if node_metrics is not None:
-            node_metrics.finish()
-    if result.steps_done >= cfg.train.steps:
-        reporter.flush(REPORT_FLUSH_S)  # Ray's record of the last checkpoint, before the end
-    else:  # leaving: the next group resumes from the run folder, not from Ray's record
-        reporter.drop()
-    if rank == 0 and result.steps_done >= cfg.train.steps:  # the driver waits for this line
-        if drain.requests is not None:
-            drain.requests.finished(result.steps_done)
-        print(end_of_output(launch.launch_id), flush=True)
-    if result.steps_done < cfg.train.steps:  # the loop only returns early when asked to stop
-        leave_gracefully(
-            drain,
-            tracker,
-            rank,
-            world_size,
-            result.steps_done,
-            cfg.train.steps,
-            result.last_checkpoint,
-            stop_keeper=stop_node_keeper(cfg, launch) if ctx.snapshot_root else None,
-        )
 
 
 def system_metrics(context, cfg, launch: LaunchInfo) -> Optional[NodeMetrics]:
@@ -203,62 +169,6 @@ def system_metrics(context, cfg, launch: LaunchInfo) -> Optional[NodeMetrics]:
         interval_s=cfg.tracking.system_metrics_interval_s,
         tag=context.get_world_rank() == 0,
     )
-
-
-def snapshot_root(cfg, launch: LaunchInfo) -> Optional[str]:
-    """Where this launch's in-memory snapshots go: keeper://, the memory of a keeper actor per
-    node, each file on its writer's node and the next (cluster/snapshots/); this node's keeper
-    is started here if no worker started it yet. None when snapshots are off (`snapshots_on`)."""
-    if not snapshots_on(cfg):
-        return None
-    import ray  # noqa: PLC0415 -- ray: seconds to import; loaded already in a worker
-
-    from cluster.snapshots import keeper_fs, keepers  # noqa: PLC0415 -- imports ray
-
-    keeper_fs.register_keeper_scheme()
-    key = keepers.run_key_of(cfg.cluster.run_name, launch.launch_id)
-    keepers.ensure_keeper(key, ray.get_runtime_context().get_node_id())
-    return keeper_fs.snapshots_url(key)
-
-
-def inherited_snapshots(cfg, launch: LaunchInfo) -> Optional[str]:
-    """The previous launch's snapshot root when it died without ending (LaunchInfo
-    .previous_launch_id), for the resume to read; None otherwise or with snapshots off."""
-    if not snapshots_on(cfg) or not launch.previous_launch_id:
-        return None
-    from cluster.snapshots import keeper_fs, keepers  # noqa: PLC0415 -- imports ray
-
-    previous = keepers.run_key_of(cfg.cluster.run_name, launch.previous_launch_id)
-    return keeper_fs.snapshots_url(previous)  # snapshot_root registered the scheme
-
-
-def release_inherited(cfg, launch: LaunchInfo) -> Optional[Callable[[], None]]:
-    """What stops the previous launch's keepers (and frees the memory of its snapshots) once
-    this launch's own first snapshot or checkpoint is committed."""
-    if not snapshots_on(cfg) or not launch.previous_launch_id:
-        return None
-    from cluster.snapshots import keepers  # noqa: PLC0415 -- imports ray
-
-    previous = launch.previous_launch_id
-    key = keepers.run_key_of(cfg.cluster.run_name, previous)
-
-    def release() -> None:
-        stopped = keepers.stop_keepers(key)
-        if stopped:
-            print0(
-                f"snapshots: stopped the {len(stopped)} keeper(s) of the previous launch "
-                f"{previous} (this launch's own state is committed): their memory is free"
-            )
-
-    return release
-
-
-def stop_node_keeper(cfg, launch: LaunchInfo) -> Callable[[], None]:
-    """What stops this node's keeper when its node leaves (elastic/leave.py calls it)."""
-    from cluster.snapshots import keepers  # noqa: PLC0415 -- imports ray
-
-    key = keepers.run_key_of(cfg.cluster.run_name, launch.launch_id)
-    return lambda: keepers.stop_node_keeper(key)
 
 
 def after_steps(*hooks) -> Callable[[int, dict], Optional[dict]]:

@@ -3,7 +3,8 @@
 Ray Train restarts the worker group when a worker dies or a node leaves, and (elastic
 min..max runs) when nodes join; each new group resumes from the newest checkpoint at its own world
 size (trainer/loop.py). This package adds what the loop cannot know by itself, through the
-WorkerContext hooks that cluster/worker.py wires up:
+WorkerContext hooks built in hooks.py (`WorkerHooks`, which cluster/worker.py hands the loop)
+and the Ray Train callbacks built in callbacks.py (`ray_callbacks`, cluster/launch.py's):
 
 - `FaultInjector` (faults.py, ctx.before_step): before step s, rank r crashes (os._exit) or is
   drained (SIGTERM). It fires once per run: a marker is written to the run folder before it

@@ -57,6 +57,7 @@ PRELOAD = (
     "cluster.elastic.tracker",
     "cluster.elastic.preemption",
     "cluster.elastic.clock",
+    "cluster.elastic.hooks",
     "cluster.snapshots.keepers",
     "cluster.snapshots.keeper_fs",
     "cluster.worker",

@@ -13,6 +13,8 @@ filesystem whose files live in the memory of Ray actors, one keeper per node.
     keeper.py      SnapshotKeeper: one node's files, in its memory (imports only Ray)
     keepers.py     a run's keepers: named, pinned to their node, listed, stopped
     keeper_fs.py   the keeper:// filesystem: where each file goes, reads by range
+    lifecycle.py   a launch's snapshots: their key, the roots its workers write and inherit,
+                   when the keepers stop (the driver and the workers both ask it)
 
 Placement, what lets a snapshot survive the loss of any one node: every file is stored on two
 keepers, the writing process's own node's and its peer's, the next node id after it in the

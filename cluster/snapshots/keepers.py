@@ -9,7 +9,6 @@ are those Ray lists under the run key's names.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 
@@ -47,13 +46,6 @@ def check_run_key(run_key: str) -> None:
             f"snapshot run_key={run_key!r}; valid: letters, digits, '.', '_' and '-', starting "
             "with a letter or digit (it is the host part of keeper://<run_key>/...)"
         )
-
-
-def run_key_of(run_name: str, launch_id: str) -> str:
-    """The keepers' key of one launch of a run: its snapshots live as long as the launch (the
-    driver stops the keepers when it ends), and a new launch never reads an old one's."""
-    launch = hashlib.sha1(launch_id.encode()).hexdigest()[:10]
-    return f"{re.sub(r'[^A-Za-z0-9._-]', '-', run_name).lstrip('._-') or 'run'}-{launch}"
 
 
 def keeper_name(run_key: str, node_id: str) -> str:
