@@ -38,7 +38,11 @@ def register_schemas() -> None:
     (idempotent: Hydra replaces an entry of the same name); model=hf's shape as interpolations
     of the `hf_config` resolver."""
     store = ConfigStore.instance()
-    store.store(name=SCHEMA_NAME, node=JobConfig)
+    schema = OmegaConf.structured(JobConfig)
+    # A map whose keys the user chooses (module-name patterns): Hydra's struct mode would refuse
+    # every key `sharding.modules={tok_embeddings:no_shard}` adds; its values stay typed (str).
+    OmegaConf.set_struct(schema.sharding.modules, False)
+    store.store(name=SCHEMA_NAME, node=schema)
     for name, preset in PRESETS.items():
         store.store(group="model", name=name, node=hf_preset() if name == "hf" else preset)
     OmegaConf.register_new_resolver(HF_RESOLVER, hf_config_field, replace=True)

@@ -26,6 +26,7 @@ from typing import Optional
 from cluster.run.layout import checkpoint_root
 from trainer.config import (
     ConfigError,  # noqa: F401 -- cluster/ takes the config's error from here
+    ShardingStrategy,
     TrainConfig,
     TrainerConfig,
     fail,
@@ -298,6 +299,17 @@ class JobConfig(TrainerConfig):
                 "fault.kill_rank",
                 self.fault.kill_rank,
                 f"a rank below the smallest world size ({lo})",
+            )
+        group = self.sharding.hybrid_shard_group_size
+        hybrid = self.sharding.strategy is ShardingStrategy.HYBRID_SHARD
+        if hybrid and group and lo == hi and lo % group:
+            # A fixed size: a group that does not divide it is a typo. An elastic run re-plans
+            # at a size it does not divide (trainer/fsdp/mesh.py hybrid_group_size, logged).
+            divisors = ", ".join(str(d) for d in range(1, lo + 1) if lo % d == 0)
+            fail(
+                "sharding.hybrid_shard_group_size",
+                group,
+                f"a divisor of the world size {lo} ({divisors}), or 0 (ranks per node)",
             )
         return self
 

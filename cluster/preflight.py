@@ -77,6 +77,10 @@ def checked_config(
         HFWeights(cfg.model.hf_path, cfg.model)
     if resume:  # before the data's checks: another model's vocabulary is no news then
         check_resume_model(cfg)
+    if cfg.sharding.modules:  # a pattern that names no unit: before any worker starts
+        from trainer.build import check_module_strategies  # noqa: PLC0415 -- torch: when asked
+
+        check_module_strategies(cfg)
     if cfg.train.float8:  # torchao missing or a bad recipe: before any worker starts
         from trainer.speed import check_float8  # noqa: PLC0415 -- torch: only when asked for
 

@@ -29,10 +29,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from trainer.build import build
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.launch_storage import LaunchStorage
 from trainer.checkpoint.resume import data_identity, has_checkpoint
-from trainer.config import DType, TrainerConfig
+from trainer.config import TrainerConfig
 from trainer.data import (
     EVAL_TAG,
     Batches,
@@ -43,16 +44,15 @@ from trainer.data import (
     global_tokens_per_step,
 )
 from trainer.device import resolve_device
-from trainer.fsdp import NO_INIT, build_mesh, parallelize
-from trainer.fsdp.mixed_precision import ShardedGradScaler
+from trainer.fsdp import NO_INIT, build_mesh
 from trainer.fsdp.state import load_params
 from trainer.generate import eval_prompts, sample_text
 from trainer.guard import DivergenceError, DivergenceGuard  # noqa: F401 -- DivergenceError: the loop's error
 from trainer.hf import HFWeights, resolve_model
 from trainer.loss import resolve_chunk_tokens
 from trainer.metrics import MetricsLogger, NullLogger, print0
-from trainer.model import build_model, flops_per_token, initializer
-from trainer.optim import build_optimizer, lr_at
+from trainer.model import flops_per_token, initializer
+from trainer.optim import lr_at
 from trainer.progress import StepReport
 from trainer.step import micro_batch_loss, train_step
 
@@ -154,35 +154,25 @@ class Trainer:
                 self.data, d.seq_len, d.seed, d.eval_sequences, weights, "eval", EVAL_TAG,
                 document_mask=d.document_mask,
             )  # fmt: skip
-        if self.device.type == "cuda":
-            self._check_device_memory()
-        self.mesh = build_mesh(cfg.sharding, self.rank, self.world, ctx.local_world_size)
+        if self.device.type == "cuda":  # the engine is built with what fits (cfg from here on)
+            cfg = self.cfg = fit_device_memory(cfg, self.world, self.device, ctx.local_world_size)
+        # A gloo group of all ranks besides the engine's, for the per-step agreements (stop,
+        # save committed): on the CPU, so they cost no device sync.
+        self.control = dist.new_group(backend="gloo") if self.world > 1 else None
+        per_node = ranks_per_node(ctx.local_world_size, self.control)
+        self.mesh = build_mesh(cfg.sharding, self.rank, self.world, per_node)
+        print0(f"mesh: {self.mesh.describe()}")
         # Weights that a checkpoint or a Hugging Face model will overwrite are not initialised.
         self.resuming = bool(ctx.resume_from) or has_checkpoint(ctx.checkpoint_root)
         fills = self.resuming or bool(cfg.model.hf_path)
-        model = build_model(cfg.model, device="meta")
-        self.speed = None  # train.compile / train.float8 (trainer/speed.py), before wrapping
-        if t.compile or t.float8:
-            from trainer.speed import apply_speed_levers  # noqa: PLC0415 -- only when asked for
-
-            self.speed = apply_speed_levers(model, t, self.device)
-        self.model = parallelize(
-            model,
-            cfg.sharding,
-            self.mesh,
-            self.device,
-            init_fn=NO_INIT if fills else initializer(t.seed),
-        )
-        self.optimizer = build_optimizer(self.model, cfg.optim, seed=cfg.train.seed)
-        self.scaler = ShardedGradScaler(enabled=cfg.sharding.param_dtype is DType.float16)
+        built = build(cfg, self.mesh, self.device, NO_INIT if fills else initializer(t.seed))
+        self.model, self.optimizer, self.scaler = built.model, built.optimizer, built.scaler
+        self.speed = built.speed  # what train.compile / train.float8 did (trainer/speed.py)
         self.global_tokens = global_tokens_per_step(t.global_batch_size, d.seq_len)
         self.flops_per_token = flops_per_token(cfg.model, d.seq_len)
         # The head and the loss a chunk of tokens at a time: the [tokens, vocab] fp32 logits of
         # a large vocabulary never exist whole (trainer/loss.py; 0 = from the whole logits).
         self.loss_chunk_tokens = resolve_chunk_tokens(t.loss_chunk_tokens, cfg.model.vocab_size)
-        # A gloo group of all ranks besides the engine's, for the per-step agreements (stop,
-        # save committed): on the CPU, so they cost no device sync.
-        self.control = dist.new_group(backend="gloo") if self.world > 1 else None
         self.checkpointer = Checkpointer(
             cfg,
             ctx.storage,
@@ -217,24 +207,6 @@ class Trainer:
             f"initialised from {self.cfg.model.hf_path} in {time.perf_counter() - t0:.1f} s "
             f"({weights.bytes_read / 2**20:,.1f} MiB read by rank 0)"
         )
-
-    def _check_device_memory(self) -> None:
-        """Fail before allocating, with the planner's breakdown, if the job cannot fit: the step's
-        peak against the device's memory less the planner's headroom (the CUDA context, NCCL
-        buffers and fragmentation margin, trainer/plan/headroom.py)."""
-        from trainer.plan import check_fits  # noqa: PLC0415 -- the planner's tracing: CUDA only
-
-        torch.cuda.set_device(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        p = check_fits(self.cfg, self.world, total, self.ctx.local_world_size, headroom=True)
-        if p.sharded_grad_accumulation and not self.cfg.sharding.sharded_grad_accumulation:
-            print0(
-                f"memory: {self.cfg.train.micro_batches} micro-batches of unsharded gradients do "
-                "not fit; reducing every micro-batch into the gradient shards instead "
-                "(sharding.sharded_grad_accumulation=true)"
-            )
-            sharding = dataclasses.replace(self.cfg.sharding, sharded_grad_accumulation=True)
-            self.cfg = dataclasses.replace(self.cfg, sharding=sharding)
 
     def run(self) -> TrainResult:
         r = self.result
@@ -398,6 +370,39 @@ class Trainer:
             self.step, self.result.final_loss, float(norm), seconds, m, eval_loss,
             self.ctx.after_step,
         )  # fmt: skip
+
+
+def fit_device_memory(
+    cfg: TrainerConfig, world: int, device: torch.device, local_world_size: int
+) -> TrainerConfig:
+    """Fail before allocating, with the planner's breakdown, if the job cannot fit: the step's
+    peak against the device's memory less the planner's headroom (the CUDA context, NCCL
+    buffers and fragmentation margin, trainer/plan/headroom.py). Returns the config to train
+    with: with sharded gradient accumulation when only that makes it fit."""
+    from trainer.plan import check_fits  # noqa: PLC0415 -- the planner's tracing: CUDA only
+
+    torch.cuda.set_device(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    p = check_fits(cfg, world, total, local_world_size, headroom=True)
+    if p.sharded_grad_accumulation and not cfg.sharding.sharded_grad_accumulation:
+        print0(
+            f"memory: {cfg.train.micro_batches} micro-batches of unsharded gradients do "
+            "not fit; reducing every micro-batch into the gradient shards instead "
+            "(sharding.sharded_grad_accumulation=true)"
+        )
+        sharding = dataclasses.replace(cfg.sharding, sharded_grad_accumulation=True)
+        cfg = dataclasses.replace(cfg, sharding=sharding)
+    return cfg
+
+
+def ranks_per_node(local_world_size: int, control: Optional[dist.ProcessGroup]) -> int:
+    """The fewest ranks any node holds (HYBRID_SHARD's default shard group): after a resize
+    nodes may hold different numbers of workers, and every rank must cut the mesh alike."""
+    if control is None:
+        return local_world_size
+    least = torch.tensor([local_world_size])
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=control)
+    return int(least)
 
 
 def evaluate(

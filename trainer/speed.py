@@ -1,8 +1,9 @@
 """The speed levers of train.compile and train.float8, applied to a plain model before the engine
-wraps it (torchtitan's order: quantise, compile, then shard).
+wraps it (torchtitan's order: quantise, checkpoint, compile, then shard; trainer/build.py is the
+one build that applies them, and says why that order).
 
     check_float8(cfg.train, device)                    # before workers start (device=None: torchao)
-    info = apply_speed_levers(model, cfg.train, device)  # the model still on the meta device
+    info = apply_speed_levers(model, cfg.train, device, checkpoint=...)  # model on the meta device
     fsdp = parallelize(model, cfg.sharding, mesh, device, init_fn=...)
     ...first step...
     print0(info.describe())                             # "compile: 2 blocks, 1 graph, 17.3 s ..."
@@ -17,8 +18,9 @@ wraps it (torchtitan's order: quantise, compile, then shard).
   `block.compile()` (which would compile `_call_impl`, hooks included): the engine's hooks on the
   block module issue the all-gathers and reduce-scatters, and they stay in eager code around the
   compiled region, so the next unit's all-gather still overlaps the compiled block. Activation
-  checkpointing (parallelize, after this) then wraps the compiled forward, and its recomputation
-  runs the compiled graph again. The blocks share one compiled graph (dynamo inlines the module
+  checkpointing (the `checkpoint` argument, applied before compiling) is inside the compiled
+  forward: the compiler sees it as one region and recomputes in the compiled backward. The
+  blocks share one compiled graph (dynamo inlines the module
   and takes its parameters as inputs), so compile time does not grow with the depth.
   Shapes are static: each distinct (grad mode, micro-batch rows, document mask or not) compiles
   once when first met, all of training's in the first step (a rank's micro-batch rows are fixed
@@ -38,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch._dynamo.utils import counters, cumulative_time_spent_ns
@@ -101,17 +103,22 @@ def compile_stats() -> dict:
 def apply_speed_levers(
     model: torch.nn.Module,
     train: TrainConfig,
-    device: torch.device | str,
+    device: Optional[torch.device | str],
     backend: str = "inductor",
+    checkpoint: Optional[Callable[[torch.nn.Module], None]] = None,
 ) -> SpeedInfo:
-    """train.float8, then train.compile, on `model` (a trainer.model.Transformer, on any device,
-    meta included), in place and before parallelize. Raises a ConfigError for Float8 where it
-    cannot run (check_float8). `backend`: torch.compile's (see compile_blocks)."""
+    """train.float8, then `checkpoint(model)` (activation checkpointing, when the build asks for
+    it), then train.compile, on `model` (a trainer.model.Transformer, on any device, meta
+    included), in place and before parallelize. Raises a ConfigError for Float8 where it cannot
+    run (check_float8; device None checks torchao only). `backend`: torch.compile's (see
+    compile_blocks)."""
     info = SpeedInfo()
     if train.float8:
         config, info.float8_emulated = check_float8(train, device)
         info.float8_recipe = train.float8_recipe
         info.float8_linears, info.float8_skipped = convert_float8(model, config)
+    if checkpoint is not None:
+        checkpoint(model)
     if train.compile:
         info.compiled_blocks = compile_blocks(model, backend)
     return info

@@ -90,3 +90,12 @@ def test_a_job_that_cannot_fit_the_device_fails_before_any_worker_starts(tmp_pat
         ConfigError, match="(?s)sharding.strategy=NO_SHARD.*needs .* GiB per worker.*DOES NOT FIT"
     ):
         checked_config(dictcfg, str(tmp_path))
+
+
+def test_a_module_pattern_that_names_no_unit_fails_naming_the_units(launch_dir):
+    """sharding.modules through the real CLI: the map takes keys of the user's choosing, and a
+    pattern that names no unit of the model stops the run before anything starts."""
+    result = run_cli(launch_dir, "sharding.modules={tok_embeddings:no_shard,layer.*:full_shard}")
+    assert_failed_before_start(
+        result, launch_dir, "'layer.*' names no unit", "layers.0 .. layers.", "(layers.*)"
+    )

@@ -57,17 +57,15 @@ from trainer.optim import lr_at
 
 def state_chunks(model: FSDPModel, optimizer: torch.optim.Optimizer) -> list[TensorChunk]:
     """This rank's named element ranges of parameters and optimizer state. Replicas (NO_SHARD,
-    HYBRID_SHARD across groups) hold identical bytes: only the first replica writes them, the
-    others write an empty shard."""
-    if model.mesh.replicate_rank != 0:
-        return []
+    HYBRID_SHARD across groups; each unit by its own placement) hold identical bytes: only the
+    first replica writes them (a rank that is no unit's first replica writes an empty shard)."""
     out = [  # in the master's dtype (fp32, or bf16 with sharding.master_dtype)
         TensorChunk(param_key(fqn), shape, t.dtype, start, t)
-        for fqn, shape, start, t in param_pieces(model)
+        for fqn, shape, start, t in param_pieces(model, primary=True)
     ]
     out += [
         TensorChunk(optim_key(fqn, name), shape, t.dtype, start, t)
-        for fqn, name, shape, start, t in optim_pieces(model, optimizer)
+        for fqn, name, shape, start, t in optim_pieces(model, optimizer, primary=True)
     ]
     return out
 

@@ -14,7 +14,7 @@ from .accounting import Accounting
 from .config import ConfigError, DType, ShardingConfig, ShardingStrategy
 from .engine import FSDPModel
 from .flat_param import FlatParameter
-from .mesh import ShardMesh, build_mesh, virtual_mesh
+from .mesh import Mesh, Placement, build_mesh, mesh_shape, virtual_mesh
 from .parallelize import parallelize
 from .unit import FSDPUnit, TrainingState
 from .wrap import NO_INIT, block_policy, transformer_policy
@@ -27,13 +27,15 @@ __all__ = [
     "FSDPModel",
     "FSDPUnit",
     "FlatParameter",
-    "ShardMesh",
+    "Mesh",
+    "Placement",
     "ShardingConfig",
     "ShardingStrategy",
     "TrainingState",
     "block_policy",
     "transformer_policy",
     "build_mesh",
+    "mesh_shape",
     "parallelize",
     "virtual_mesh",
 ]

@@ -9,7 +9,7 @@ arguments. Strings from YAML or from tests are parsed into the enums once, as th
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import torch
@@ -93,6 +93,13 @@ class DType(NamedEnum):
         return self.torch.itemsize
 
 
+def _module_strategy(pattern, value) -> ShardingStrategy:
+    """A sharding.modules value, case-blind; the error names it as the user wrote it."""
+    if isinstance(value, str) and value.upper() in ShardingStrategy.__members__:
+        value = value.upper()
+    return ShardingStrategy.parse(value, f"sharding.modules[{str(pattern)!r}]")
+
+
 @dataclass
 class ShardingConfig:
     """The engine (trainer/fsdp): strategy, precision, overlap and activation checkpointing."""
@@ -143,6 +150,13 @@ class ShardingConfig:
     an ulp are lost; kept for the drift comparison in benchmarks/precision.py)."""
     hybrid_shard_group_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
+    modules: dict[str, str] = field(default_factory=dict)
+    """Per-module strategies: module-name pattern (fnmatch, as in named_modules(): `tok_embeddings`,
+    `layers.*`, `output`) -> strategy, e.g. {tok_embeddings: NO_SHARD, "layers.*": FULL_SHARD}.
+    A unit (the embedding, each block, the final norm with the head) takes the strategy of the
+    first pattern that names one of its modules; the others keep `strategy`. A pattern that
+    names no unit is refused, naming the units there are. HYBRID_SHARD here needs
+    strategy=HYBRID_SHARD (its node-sized groups). Names are case-blind (no_shard = NO_SHARD)."""
     trace: bool = False
     """Record issue/wait of every collective and start/end of every unit (for schedule tests)."""
 
@@ -156,6 +170,8 @@ class ShardingConfig:
             value = Offload.parse(value, "sharding.offload")
         elif name == "master_rounding":
             value = Rounding.parse(value, "sharding.master_rounding")
+        elif name == "modules":
+            value = {str(k): _module_strategy(k, v) for k, v in dict(value or {}).items()}
         object.__setattr__(self, name, value)
 
     def validate(self) -> None:
@@ -165,6 +181,17 @@ class ShardingConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 fail(f"sharding.{key}", value, "an integer >= 1")
+        for pattern, strategy in self.modules.items():
+            if (
+                strategy is ShardingStrategy.HYBRID_SHARD
+                and self.strategy is not ShardingStrategy.HYBRID_SHARD
+            ):
+                fail(
+                    f"sharding.modules[{pattern!r}]",
+                    str(strategy),
+                    "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (HYBRID_SHARD for a module needs "
+                    "sharding.strategy=HYBRID_SHARD: its node-sized shard groups)",
+                )
         if self.hybrid_shard_group_size < 0:
             fail(
                 "sharding.hybrid_shard_group_size",

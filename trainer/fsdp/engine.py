@@ -1,4 +1,4 @@
-"""The engine: any nn.Module tree wrapped into FSDP units, with the hooks that drive them.
+"""The engine: any nn.Module tree wrapped into FSDP units on a device mesh.
 
 Build it with `parallelize` (parallelize.py), which translates a ShardingConfig into the explicit
 arguments below:
@@ -9,27 +9,17 @@ arguments below:
     fsdp.clip_grad_norm_(1.0); opt.step(); fsdp.zero_grad()
     metrics = fsdp.metrics(opt)            # comm/* and mem/* of the step
 
-Who owns what: each unit (unit.py) owns its storage and its state transitions; the scheduler
-(scheduler.py) owns the execution order and the prefetch; the reducer (reducer.py) owns the
-reductions in flight; this class installs the hooks that call them, in this order:
-
-  forward:  the root (the final norm) gathers, kept until backward ends; unit i waits for its
-            gather, issues the gathers of the next k units (forward prefetch), computes,
-            reshards (the last unit keeps its parameters: backward starts with it).
-  backward: the hook on unit i's output gathers unit i (already prefetched), issues the gathers
-            of the next k units of the backward order (backward prefetch); when unit i's flat
-            gradient is complete its reduction is issued at once and the unit reshards; a
-            callback at the end of backward waits for every reduction and writes the fp32
-            gradient shards.
-  no_grad:  every unit reshards after its forward, whatever the strategy (evaluation and
-            generation hold one unit's parameters at a time, plus the prefetched ones).
+Each unit is placed on the mesh by its own strategy (the mesh's, or sharding.modules'): its flat
+parameters are sharded over some axes and replicated over others (mesh.py Placement), and every
+gather, reduction and norm of that unit runs over those axes' groups. The hooks that drive the
+units through a step are hooks.py's; the unit (unit.py) owns its storage and lifecycle, the
+scheduler (scheduler.py) the order and prefetch, the reducer (reducer.py) the reductions.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,9 +27,10 @@ import torch.distributed as dist
 from . import state
 from .accounting import Accounting
 from .collectives import Collectives
-from .config import Offload, Rounding
+from .config import Offload, Rounding, ShardingStrategy
 from .flat_param import FlatParameter
-from .mesh import ShardMesh
+from .hooks import StepHooks
+from .mesh import Mesh, Placement
 from .offload import HostGrads
 from .reducer import Reducer
 from .rounding import name_key
@@ -52,13 +43,13 @@ class FSDPModel(torch.nn.Module):
     def __init__(
         self,
         model: torch.nn.Module,
-        mesh: ShardMesh,
+        mesh: Mesh,
         device: torch.device,
         *,
         units: Optional[list[UnitSpec]] = None,
+        strategies: Optional[Sequence[ShardingStrategy]] = None,
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
-        reshard_after_forward: bool = True,
         forward_prefetch: bool = True,
         backward_prefetch: bool = True,
         max_gathers_in_flight: int = 1,
@@ -71,15 +62,16 @@ class FSDPModel(torch.nn.Module):
         init_fn: Optional[InitFn] = None,
     ):
         """`units`: the modules that become units (default: transformer_policy); the rest of
-        `model` is the root unit. `reshard_after_forward`: the units (never the root) free their
-        gathered parameters after forward. `sharded_grad_accumulation`: no_sync() reduces every
-        micro-batch into the gradient shards instead of keeping unsharded gradients.
-        `offload`: Offload.optimizer (True): master weights, gradient shards and optimizer state
-        in host memory (see offload.py), the optimizer built over param_groups() steps on the
-        host; Offload.params: and no copy of the shard on the device between gathers.
-        `master_dtype`: the shards' (and gradient shards') dtype, float32 or bfloat16;
-        `master_rounding`: how the optimizer (trainer/optim.py) rounds updates into a bf16
-        master (rounding.py)."""
+        `model` is the root unit, placed as the mesh's strategy says. `strategies`: each unit's
+        own (default: the mesh's): where its flats lie on the mesh and whether it frees its
+        gathered parameters after forward (FULL_SHARD, HYBRID_SHARD; never the root).
+        `sharded_grad_accumulation`: no_sync() reduces every micro-batch into the gradient
+        shards instead of keeping unsharded gradients. `offload`: Offload.optimizer (True):
+        master weights, gradient shards and optimizer state in host memory (see offload.py), the
+        optimizer built over param_groups() steps on the host; Offload.params: and no copy of the
+        shard on the device between gathers. `master_dtype`: the shards' (and gradient shards')
+        dtype, float32 or bfloat16; `master_rounding`: how the optimizer (trainer/optim.py)
+        rounds updates into a bf16 master (rounding.py)."""
         super().__init__()
         self.module = model
         self.mesh, self.device = mesh, torch.device(device)
@@ -87,6 +79,7 @@ class FSDPModel(torch.nn.Module):
         self.acct = Accounting(trace_enabled=trace)
         self.comm = Collectives(self.acct, self.device)
         specs = transformer_policy(model) if units is None else units
+        strategies = [mesh.strategy] * len(specs) if strategies is None else list(strategies)
         if isinstance(offload, bool):
             offload = Offload.optimizer if offload else Offload.none
         self.offload_level = Offload.parse(offload, "sharding.offload")
@@ -95,7 +88,7 @@ class FSDPModel(torch.nn.Module):
         self.master_rounding = Rounding.parse(master_rounding, "sharding.master_rounding")
         host_grads = HostGrads(self.device, self.acct) if self.offload else None
         self.reducer = Reducer(
-            mesh, self.comm, self.acct, reduce_dtype, max_reductions_in_flight, host_grads
+            self.comm, self.acct, reduce_dtype, max_reductions_in_flight, host_grads
         )
         build = UnitBuilder(
             model,
@@ -111,16 +104,17 @@ class FSDPModel(torch.nn.Module):
             master_dtype,
         )
         self.units: list[FSDPUnit] = [
-            build.unit(build.name(spec), spec, reshard_after_forward) for spec in specs
+            build.unit(build.name(spec), spec, strategy)
+            for spec, strategy in zip(specs, strategies)
         ]
-        self.root = build.unit(ROOT, model, reshard_after_forward=False, exclude=specs)
+        self.root = build.unit(ROOT, model, mesh.strategy, exclude=specs, root=True)
         self.scheduler = Scheduler(
             self.root, self.units, max_gathers_in_flight, forward_prefetch, backward_prefetch
         )
         self.sharded_grad_accumulation = sharded_grad_accumulation
-        self._in_backward = False
-        self._step_open = False  # a step's accounting runs from its first forward to zero_grad
-        self._install_hooks()
+        self.hooks = StepHooks(
+            model, self.root, self.units, self.scheduler, self.reducer, self.acct
+        )
         master = sum(f.shard.numel() * f.shard.element_size() for f in self.flats())
         if self.offload:  # offload=optimizer: the device keeps the compute-dtype copy only;
             # offload=params: nothing between gathers (the copies in are gathered_params)
@@ -147,70 +141,6 @@ class FSDPModel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    # ---- hooks --------------------------------------------------------------------------
-    def _install_hooks(self) -> None:
-        self.module.register_forward_pre_hook(self._root_pre_forward)
-        self.module.register_forward_hook(self._root_post_forward)
-        for u in self.units:
-            first, last = u.modules[0], u.modules[-1]  # a unit of several runs them in a row
-            first.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-            last.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
-
-    def _root_pre_forward(self, module, args):
-        if self._in_backward:
-            raise RuntimeError("forward called before the previous backward finished")
-        if not self._step_open:
-            self.acct.reset_step()
-            self._step_open = True
-        self.scheduler.begin_forward()
-        for u in self.all_units():
-            u.begin_iteration()
-        self.acct.event("compute_start", "forward", ROOT)
-        self.root.issue_gather()
-        self.scheduler.prefetch_first()  # overlaps the root's gather if the bound allows two
-        self.root.wait_gather()
-        self.root.use_views()
-
-    def _root_post_forward(self, module, args, output):
-        self.acct.event("compute_end", "forward", ROOT)
-        if torch.is_grad_enabled():
-            _register_output_hooks(output, weakref.WeakMethod(self._root_pre_backward))
-        else:  # inference: nothing will come back for these parameters
-            for u in self.all_units():
-                u.end_iteration()
-        return output
-
-    def _pre_forward(self, u: FSDPUnit):
-        self.scheduler.record(u)
-        u.pre_forward(prefetch=lambda: self.scheduler.prefetch_after(u))
-
-    def _post_forward(self, u: FSDPUnit, output):
-        u.post_forward(keep=self.scheduler.keeps_after_forward(u))
-        if torch.is_grad_enabled():
-            me = weakref.ref(self)  # see _register_output_hooks
-            _register_output_hooks(output, lambda g, u=u: me()._pre_backward(u))
-        return output
-
-    def _root_pre_backward(self, grad):
-        if self._in_backward:
-            return grad
-        self._in_backward = True
-        self.root.pre_backward(prefetch=self.scheduler.prefetch_backward_start)
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        return grad
-
-    def _pre_backward(self, u: FSDPUnit):
-        self.scheduler.record_backward(u)
-        u.pre_backward(prefetch=lambda: self.scheduler.prefetch_before(u))
-
-    def _finish_backward(self) -> None:
-        """End of backward: every reduction folded into the gradient shards; units reshard."""
-        self.reducer.finish()
-        for u in self.all_units():
-            u.end_iteration()
-        self.scheduler.end_backward()
-        self._in_backward = False
 
     # ---- what users hold ------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
@@ -275,16 +205,21 @@ class FSDPModel(torch.nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradient across shards (padding excluded, replicas counted once);
         scales the gradients by min(1, max_norm / (norm + 1e-6)) when max_norm > 0. Returns the
-        norm."""
+        norm. Each placement's squares are summed over its own shard group (a NO_SHARD unit's
+        over none: every rank holds all of it), then the placements' sums are added."""
         home = "cpu" if self.offload else self.device  # where the gradient shards live
-        sq = torch.zeros((), dtype=torch.float32, device=home)
-        for flat in self.flats():
+        sums: dict[Placement, torch.Tensor] = {}  # in unit order: the same on every rank
+        for flat in (f for f in self.flats() if f.requires_grad):
+            sq = sums.setdefault(flat.placement, torch.zeros((), dtype=torch.float32, device=home))
             if flat.grad is not None and flat.valid_numel:  # summed in fp32 (bf16 shards too)
                 sq += flat.grad[: flat.valid_numel].pow(2).sum(dtype=torch.float32)
-        sq = sq.to(self.device)  # the process group's device
-        if self.mesh.shard_size > 1:
-            dist.all_reduce(sq, group=self.mesh.shard_group)
-        norm = sq.sqrt()
+        total = None
+        for placement, sq in sums.items():
+            sq = sq.to(self.device)  # the process group's device
+            if placement.shard_size > 1:
+                dist.all_reduce(sq, group=placement.shard_group)
+            total = sq if total is None else total + sq
+        norm = total.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(home)
             for flat in self.flats():
@@ -309,7 +244,7 @@ class FSDPModel(torch.nn.Module):
                 else:
                     flat.grad.zero_()
             flat.grad_is_zero = True
-        self._step_open = False
+        self.hooks.step_open = False
 
     # ---- figures --------------------------------------------------------------------------
     def metrics(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, float]:
@@ -335,33 +270,3 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for v in st.values()
         if torch.is_tensor(v) and v.dim() > 0
     )
-
-
-def _register_output_hooks(output, hook) -> None:
-    """Call hook(grad) when the gradient of any tensor in `output` arrives (before its backward).
-
-    The hook lives on the tensor in C++, out of the collector's sight, and an output can outlive
-    its step (a caller keeps the logits, a thread's last collective its inputs): it must not
-    hold the engine strongly, or the engine's shards stay alive with it. `hook` is a
-    weakref.WeakMethod, or a function that reaches the engine through a weak reference."""
-    if isinstance(hook, weakref.WeakMethod):
-        weak, hook = hook, lambda g: weak()(g)
-    tensors = (
-        [output]
-        if torch.is_tensor(output)
-        else [t for t in _flatten_out(output) if torch.is_tensor(t)]
-    )
-    for t in tensors:
-        if t.requires_grad:
-            t.register_hook(lambda g: (hook(g), g)[1])
-
-
-def _flatten_out(x):
-    if isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _flatten_out(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _flatten_out(y)
-    else:
-        yield x

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .mesh import Placement
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -51,8 +53,7 @@ class FlatParameter:
     def __init__(
         self,
         infos: list[ParamInfo],
-        shard_size: int,
-        shard_rank: int,
+        placement: Placement,
         requires_grad: bool,
         device: torch.device,
         host: bool = False,
@@ -64,12 +65,14 @@ class FlatParameter:
         self.requires_grad = requires_grad
         self.numel = sum(i.numel for i in infos)
         self.decay_end = sum(i.numel for i in infos if i.decay)
-        self.shard_size, self.shard_rank = shard_size, shard_rank
+        self.placement = placement  # the mesh axes this flat is sharded and replicated over
+        shard_size = placement.shard_size
+        self.shard_size, self.shard_rank = shard_size, placement.shard_rank
         self.padded_numel = (
             math.ceil(self.numel / shard_size) * shard_size if self.numel else shard_size
         )
         self.shard_numel = self.padded_numel // shard_size
-        self.lo = shard_rank * self.shard_numel
+        self.lo = self.shard_rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
         self.device = torch.device(device)  # where the unit computes
         self.host = host

@@ -1,94 +1,285 @@
-"""Process groups for a sharding strategy: a shard group (parameters split 1/S inside it) and a
-replicate group (shards all-reduced across it). S * R == world size.
+"""The device mesh: every rank a coordinate on named axes whose sizes multiply to the world size,
+and the placement of a unit's flat parameters on it.
 
-FULL_SHARD / SHARD_GRAD_OP: S = world, R = 1.  NO_SHARD: S = 1, R = world.
-HYBRID_SHARD: S = ranks per node (consecutive ranks), R = number of nodes.
+    mesh = build_mesh(sharding, rank, world_size, local_world_size)   # collective
+    mesh.size("shard"), mesh.coord("replicate"), mesh.group("replicate", "shard")
+    place = mesh.placement(ShardingStrategy.NO_SHARD)  # where one unit's flats lie
+
+Axes, outermost first (ranks are laid out row-major: the last axis is the fastest, so a node's
+consecutive ranks share every axis but the inner ones):
+
+| axis      | splits                         | today                                          |
+|-----------|--------------------------------|------------------------------------------------|
+| replicate | the data (HYBRID: across nodes) | W / shard under HYBRID_SHARD, W under NO_SHARD |
+| shard     | the data and the parameters     | W (FULL_SHARD, SHARD_GRAD_OP), a node (HYBRID) |
+
+The context, expert and tensor axes take their place after `shard` when they land (see
+docs/engine.md, "The mesh"). A strategy is a shape of the mesh (mesh_shape) and, per unit, a
+placement: which axes the unit's flat parameters are sharded over (all-gather, reduce-scatter)
+and which they are replicated over (all-reduce of the shards):
+
+| unit strategy             | sharded over          | replicated over        |
+|---------------------------|-----------------------|------------------------|
+| FULL_SHARD, SHARD_GRAD_OP | every data axis       | -                      |
+| HYBRID_SHARD              | shard                 | replicate              |
+| NO_SHARD                  | -                     | every data axis        |
+
+So FULL_SHARD on a HYBRID_SHARD mesh (sharding.modules) shards over all ranks, and NO_SHARD on a
+FULL_SHARD mesh replicates over all ranks. A group over several axes (a FULL_SHARD unit's
+replicate x shard) is built once per set of axes and cached.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
 
-from .config import ConfigError, ShardingConfig, ShardingStrategy
+from .config import ShardingConfig, ShardingStrategy
+
+AXES = ("replicate", "shard")
+"""The mesh's axes in rank order, outermost first."""
+DATA_AXES = ("replicate", "shard")
+"""The axes the data is split over (each rank of them reads its own samples)."""
 
 
-@dataclass
-class ShardMesh:
-    rank: int
-    world_size: int
+def hybrid_group_size(world_size: int, requested: int, local_world_size: int) -> tuple[int, str]:
+    """HYBRID_SHARD's shard group at `world_size` and why: the configured size (or the ranks per
+    node) when it divides the world; else, after a resize to a world it does not divide, the
+    largest divisor of the world below it (a smaller group still keeps its gathers inside a
+    node), said in the log line."""
+    size = requested or local_world_size or 1
+    source = "sharding.hybrid_shard_group_size" if requested else "ranks per node"
+    if world_size % size == 0:
+        return size, f"shard groups of {size} ({source})"
+    fit = max(d for d in range(1, min(size, world_size) + 1) if world_size % d == 0)
+    return fit, (
+        f"shard groups of {fit}: {size} ({source}) does not divide world size {world_size}; "
+        f"{fit} is the largest divisor of it below {size}"
+    )
+
+
+def mesh_plan(
+    cfg: ShardingConfig, world_size: int, local_world_size: int = 1
+) -> tuple[dict[str, int], str]:
+    """The size of every axis of `cfg`'s mesh at `world_size` (in AXES order; they multiply to
+    the world size), and one line saying why. The one place a world size becomes a mesh: the
+    engine, the planner and the elastic re-plan at a resize all ask here."""
+    strategy = cfg.strategy
+    why = f"{strategy} over {world_size} rank{'s' if world_size > 1 else ''}"
+    if strategy is ShardingStrategy.NO_SHARD:
+        shard = 1
+    elif strategy is ShardingStrategy.HYBRID_SHARD:
+        shard, groups = hybrid_group_size(world_size, cfg.hybrid_shard_group_size, local_world_size)
+        why = f"{strategy}, {groups}"
+    else:
+        shard = world_size
+    return {"replicate": world_size // shard, "shard": shard}, why
+
+
+def mesh_shape(cfg: ShardingConfig, world_size: int, local_world_size: int = 1) -> dict[str, int]:
+    """mesh_plan's sizes alone."""
+    return mesh_plan(cfg, world_size, local_world_size)[0]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one unit's flat parameters lie: sharded 1/shard_size over the `shard_axes` (this
+    rank holds slice `shard_rank`), identical over the `replicate_axes` (this rank is replica
+    `replicate_rank`). Groups are None where they would hold one rank, or on a virtual mesh."""
+
+    shard_axes: tuple[str, ...]
+    replicate_axes: tuple[str, ...]
     shard_size: int
     shard_rank: int
     shard_group: Optional[dist.ProcessGroup]
     replicate_size: int
     replicate_rank: int
     replicate_group: Optional[dist.ProcessGroup]
+    shard_ranks: tuple[int, ...]
+    """The global ranks of this rank's shard group, by shard rank."""
+
+    @property
+    def primary(self) -> bool:
+        """This rank's copy is the one that is saved and sent (replicas hold the same bytes)."""
+        return self.replicate_rank == 0
+
+    @property
+    def hybrid(self) -> bool:
+        """Shards reduced inside the shard group, then all-reduced across replicas."""
+        return self.shard_size > 1 and self.replicate_size > 1
 
 
-def hybrid_group_size(world_size: int, requested: int, local_world_size: int) -> int:
-    size = requested or local_world_size or 1
-    if world_size % size:
-        raise ConfigError(
-            f"invalid config: sharding.hybrid_shard_group_size={size} (from "
-            f"{'config' if requested else 'LOCAL_WORLD_SIZE'}) does not divide world size "
-            f"{world_size}; valid: a divisor of {world_size}"
-        )
-    return size
+@dataclass
+class Mesh:
+    """This rank's place on the named axes, and the process groups over any set of them."""
+
+    rank: int
+    world_size: int
+    shape: dict[str, int]
+    """Axis name -> size, outermost first."""
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    """The strategy of units without one of their own (sharding.strategy)."""
+    virtual: bool = False
+    """Planning on the meta device: no process group is ever created."""
+    why: str = ""
+    """How the strategy and the world size gave this shape (mesh_plan)."""
+    _groups: dict = field(default_factory=dict, repr=False)
+    _placements: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if math.prod(self.shape.values()) != self.world_size:
+            raise ValueError(f"mesh {self.shape} does not multiply to world size {self.world_size}")
+
+    # ---- coordinates -------------------------------------------------------------------
+    def size(self, *axes: str) -> int:
+        return math.prod(self.shape[a] for a in axes)
+
+    def coords(self, rank: Optional[int] = None) -> dict[str, int]:
+        """Every axis's coordinate of `rank` (this rank by default)."""
+        rest, out = self.rank if rank is None else rank, {}
+        for name in reversed(self.shape):  # the last axis is the fastest
+            rest, out[name] = divmod(rest, self.shape[name])
+        return {name: out[name] for name in self.shape}
+
+    def coord(self, *axes: str) -> int:
+        """This rank's coordinate on `axes` flattened (row-major, in mesh order)."""
+        c = self.coords()
+        index = 0
+        for name in self._ordered(axes):
+            index = index * self.shape[name] + c[name]
+        return index
+
+    def group_ranks(self, *axes: str, rank: Optional[int] = None) -> list[int]:
+        """The global ranks that share every coordinate of `rank` but those on `axes`, by their
+        flattened coordinate on `axes`."""
+        axes = self._ordered(axes)
+        fixed = self.coords(rank)
+        ranks = []
+        for i in range(self.size(*axes)):
+            c, rest = dict(fixed), i
+            for name in reversed(axes):
+                rest, c[name] = divmod(rest, self.shape[name])
+            ranks.append(self._rank_of(c))
+        return ranks
+
+    def _rank_of(self, coords: dict[str, int]) -> int:
+        r = 0
+        for name, size in self.shape.items():
+            r = r * size + coords[name]
+        return r
+
+    def _ordered(self, axes) -> tuple[str, ...]:
+        unknown = [a for a in axes if a not in self.shape]
+        if unknown:
+            raise ValueError(f"mesh axes {unknown} unknown; the mesh has {list(self.shape)}")
+        return tuple(a for a in self.shape if a in axes)
+
+    # ---- groups ------------------------------------------------------------------------
+    def group(self, *axes: str) -> Optional[dist.ProcessGroup]:
+        """The process group over `axes` that this rank belongs to: None when it holds one rank
+        (or the mesh is virtual), the default group when it holds all of them.
+
+        Collective the first time a set of axes is asked for: torch creates groups on every rank
+        together, so every rank creates all the groups over `axes` (one per coordinate of the
+        other axes), in the same order. The engine asks in unit order, the same on every rank."""
+        axes = self._ordered(axes)
+        if axes not in self._groups:
+            self._groups[axes] = self._new_group(axes)
+        return self._groups[axes]
+
+    def _new_group(self, axes: tuple[str, ...]) -> Optional[dist.ProcessGroup]:
+        n = self.size(*axes)
+        if self.virtual or n == 1:
+            return None
+        if n == self.world_size:
+            return dist.group.WORLD
+        mine, seen = None, set()
+        for r in range(self.world_size):  # each group once, in the order of its lowest rank
+            members = tuple(self.group_ranks(*axes, rank=r))
+            if members in seen:
+                continue
+            seen.add(members)
+            g = dist.new_group(list(members))
+            if self.rank in members:
+                mine = g
+        return mine
+
+    # ---- placements --------------------------------------------------------------------
+    def placement(self, strategy: Optional[ShardingStrategy] = None) -> Placement:
+        """Where a unit of `strategy` (the mesh's own by default) keeps its flat parameters."""
+        strategy = self.strategy if strategy is None else strategy
+        if strategy not in self._placements:
+            shard, rep = placement_axes(strategy)
+            self._placements[strategy] = Placement(
+                shard_axes=shard,
+                replicate_axes=rep,
+                shard_size=self.size(*shard),
+                shard_rank=self.coord(*shard),
+                shard_group=self.group(*shard),
+                replicate_size=self.size(*rep),
+                replicate_rank=self.coord(*rep),
+                replicate_group=self.group(*rep),
+                shard_ranks=tuple(self.group_ranks(*shard)),
+            )
+        return self._placements[strategy]
+
+    # The mesh's own placement, by the names the engine has always used.
+    @property
+    def shard_size(self) -> int:
+        return self.placement().shard_size
+
+    @property
+    def shard_rank(self) -> int:
+        return self.placement().shard_rank
+
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        return self.placement().shard_group
+
+    @property
+    def replicate_size(self) -> int:
+        return self.placement().replicate_size
+
+    @property
+    def replicate_rank(self) -> int:
+        return self.placement().replicate_rank
+
+    @property
+    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+        return self.placement().replicate_group
+
+    def describe(self) -> str:
+        """One line for the log: "replicate 2 x shard 4 (HYBRID_SHARD, shard groups of 4 ...)"."""
+        axes = " x ".join(f"{name} {size}" for name, size in self.shape.items())
+        return f"{axes} ({self.why})" if self.why else axes
 
 
-def mesh_shape(
-    strategy: ShardingStrategy, world_size: int, hybrid_size: int = 0, local_world_size: int = 1
-) -> tuple[int, int]:
-    """(shard group size, replicate group size) of a strategy at a world size."""
+def placement_axes(strategy: ShardingStrategy) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(axes sharded over, axes replicated over) of a dense unit of `strategy`."""
     if strategy is ShardingStrategy.NO_SHARD:
-        shard = 1
-    elif strategy is ShardingStrategy.HYBRID_SHARD:
-        shard = hybrid_group_size(world_size, hybrid_size, local_world_size)
-    else:
-        shard = world_size
-    return shard, world_size // shard
+        return (), DATA_AXES
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        return ("shard",), ("replicate",)
+    return DATA_AXES, ()
 
 
-def build_mesh(
-    cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1
-) -> ShardMesh:
-    """Create the groups of `cfg.strategy` at this world size. Collective: every rank must call it
-    with the same arguments. local_world_size is HYBRID_SHARD's default group (ranks per node)."""
-    shard, rep = mesh_shape(cfg.strategy, world_size, cfg.hybrid_shard_group_size, local_world_size)
-    default = dist.group.WORLD if world_size > 1 else None
-    shard_group = rep_group = None
-    if 1 < shard < world_size or 1 < rep < world_size:
-        # new_group is collective over all ranks: create every group in the same order everywhere.
-        for start in range(0, world_size, shard):
-            g = dist.new_group(list(range(start, start + shard)))
-            if start <= rank < start + shard:
-                shard_group = g
-        for offset in range(shard):
-            g = dist.new_group(list(range(offset, world_size, shard)))
-            if rank % shard == offset:
-                rep_group = g
-    if shard == world_size:
-        shard_group = default
-    if rep == world_size:
-        rep_group = default
-    return ShardMesh(
-        rank,
-        world_size,
-        shard,
-        rank % shard,
-        shard_group if shard > 1 else None,
-        rep,
-        rank // shard,
-        rep_group if rep > 1 else None,
-    )
+def build_mesh(cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1) -> Mesh:
+    """The mesh of `cfg` at this world size, with the groups of its own placement created.
+    Collective: every rank must call it with the same arguments. local_world_size is
+    HYBRID_SHARD's default shard group (ranks per node)."""
+    shape, why = mesh_plan(cfg, world_size, local_world_size)
+    mesh = Mesh(rank, world_size, shape, cfg.strategy, why=why)
+    mesh.placement()
+    return mesh
 
 
 def virtual_mesh(
     cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1
-) -> ShardMesh:
+) -> Mesh:
     """The mesh `build_mesh` would give `rank`, without process groups: for planning on the meta
     device, where nothing communicates."""
-    shard, rep = mesh_shape(cfg.strategy, world_size, cfg.hybrid_shard_group_size, local_world_size)
-    return ShardMesh(rank, world_size, shard, rank % shard, None, rep, rank // shard, None)
+    shape, why = mesh_plan(cfg, world_size, local_world_size)
+    return Mesh(rank, world_size, shape, cfg.strategy, virtual=True, why=why)

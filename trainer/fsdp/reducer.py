@@ -1,8 +1,10 @@
 """The gradient reductions in flight: issued the moment a unit's flat gradient is complete, folded
 into the fp32 gradient shards in order, bounded so unsharded gradients never pile up.
 
-FULL_SHARD / SHARD_GRAD_OP reduce-scatter inside the shard group; NO_SHARD all-reduces across the
-replicas; HYBRID_SHARD reduce-scatters inside the node, then all-reduces its shard across nodes:
+Each flat is reduced over its own placement on the mesh (flat.placement: units may carry their
+own strategy). FULL_SHARD / SHARD_GRAD_OP reduce-scatter inside the shard group; NO_SHARD
+all-reduces across the replicas; HYBRID_SHARD reduce-scatters inside the node, then all-reduces
+its shard across nodes:
 on CUDA that all-reduce is queued on its own stream right behind the reduce-scatter (ordered by
 the reduce-scatter's event, the host never waits), on the CPU it is issued once the
 reduce-scatter is retired; either way it is waited for only when backward ends.
@@ -23,7 +25,6 @@ import torch
 from .accounting import Accounting
 from .collectives import Collectives, Handle
 from .flat_param import FlatParameter
-from .mesh import ShardMesh
 from .offload import HostGrads
 
 
@@ -40,7 +41,6 @@ class _Reduction:
 class Reducer:
     def __init__(
         self,
-        mesh: ShardMesh,
         comm: Collectives,
         acct: Accounting,
         reduce_dtype: torch.dtype,
@@ -49,9 +49,8 @@ class Reducer:
     ):
         """`host_grads`: where the fp32 gradient shards of offloaded flats are folded in (the
         engine builds one when offloading; None otherwise)."""
-        self.mesh, self.comm, self.acct = mesh, comm, acct
+        self.comm, self.acct = comm, acct
         self.reduce_dtype, self.max_in_flight = reduce_dtype, max_in_flight
-        self.hybrid = mesh.shard_size > 1 and mesh.replicate_size > 1
         self.host_grads = host_grads
         # Issued and not yet retired (their unsharded gradients alive), oldest first.
         self._pending: collections.deque[_Reduction] = collections.deque()
@@ -74,13 +73,13 @@ class Reducer:
         # output is allocated, as FSDP2 frees the previous reduce-scatter's buffers.
         while len(self._pending) >= self.max_in_flight:
             self._retire(self._pending.popleft())
-        m = self.mesh
+        m = flat.placement
         across = None
         if m.shard_size > 1:
             out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=g.device)
             h = self.comm.reduce_scatter(out, g, m.shard_group, m.shard_size, unit)
-            if self.hybrid and self.comm.cuda:
-                across = self._all_reduce_across(out, unit, after=h)
+            if m.hybrid and self.comm.cuda:
+                across = self._all_reduce_across(flat, out, unit, after=h)
         else:
             out = g
             h = (
@@ -109,15 +108,15 @@ class Reducer:
             r.handle.wait()
             r.handle = None
         self.acct.free("unsharded_grads", r.grad_bytes)
-        if not self.hybrid:
+        if not r.flat.placement.hybrid:
             self._accumulate(r.flat, r.out)
             return
         if r.across is None:  # CPU: the shard is final only now
-            r.across = self._all_reduce_across(r.out, r.unit)
+            r.across = self._all_reduce_across(r.flat, r.out, r.unit)
         self._across.append(r)
 
-    def _all_reduce_across(self, out: torch.Tensor, unit: str, after=None) -> Handle:
-        m = self.mesh
+    def _all_reduce_across(self, flat: FlatParameter, out: torch.Tensor, unit: str, after=None):
+        m = flat.placement
         return self.comm.all_reduce(out, m.replicate_group, m.replicate_size, unit, after=after)
 
     def _accumulate(self, flat: FlatParameter, out: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .collectives import _all_gather
 from .flat_param import FlatParameter
-from .mesh import ShardMesh
+from .mesh import Mesh
 
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 """AdamW's per-element state, saved and loaded by name (the step count is a scalar)."""
@@ -34,23 +34,30 @@ class ShardedModel(Protocol):
     mesh and the device its collectives run on. A protocol, not an import of the engine: the
     engine's own state methods call into this module."""
 
-    mesh: ShardMesh
+    mesh: Mesh
     device: torch.device
 
     def flats(self) -> Iterator[FlatParameter]: ...
 
 
-def param_pieces(fsdp: ShardedModel) -> Iterator[tuple[str, tuple, int, torch.Tensor]]:
-    """(fqn, full shape, start element, shard tensor slice) for every piece this rank holds."""
+def param_pieces(
+    fsdp: ShardedModel, primary: bool = False
+) -> Iterator[tuple[str, tuple, int, torch.Tensor]]:
+    """(fqn, full shape, start element, shard tensor slice) for every piece this rank holds;
+    `primary`: only those of flats whose first replica this rank is (what a checkpoint saves:
+    replicas, NO_SHARD's or HYBRID_SHARD's across groups, hold the same bytes)."""
     for flat in fsdp.flats():
+        if primary and not flat.placement.primary:
+            continue
         for info, start, count, off in flat.local_pieces():
             yield info.fqn, tuple(info.shape), start, flat.shard[off : off + count]
 
 
-def optim_pieces(fsdp: ShardedModel, optimizer: torch.optim.Optimizer):
-    """(fqn, state name, full shape, start, tensor slice) for every optimizer state piece."""
+def optim_pieces(fsdp: ShardedModel, optimizer: torch.optim.Optimizer, primary: bool = False):
+    """(fqn, state name, full shape, start, tensor slice) for every optimizer state piece
+    (`primary`: as param_pieces)."""
     for flat in fsdp.flats():
-        if not flat.requires_grad:
+        if not flat.requires_grad or (primary and not flat.placement.primary):
             continue
         for info, start, count, off in flat.local_pieces():
             p, base = _view_at(flat, off)
@@ -87,13 +94,14 @@ def iter_full_state(
     """(name, whole parameter) on rank 0, one parameter at a time: each rank holding a piece of it
     sends that piece to rank 0, which never holds more than the one parameter it yields (on the
     device the shards live on; `dtype` casts it). Other ranks yield nothing, but every rank must
-    run the iterator to its end: the pieces are sent as it advances. With HYBRID_SHARD the first
-    replica's shard group sends; the others (identical) take no part."""
-    mesh = fsdp.mesh
-    if mesh.replicate_rank != 0:
-        return
-    me, group = mesh.shard_rank, mesh.shard_group
+    run the iterator to its end: the pieces are sent as it advances. Replicas (NO_SHARD's,
+    HYBRID_SHARD's groups after the first) take no part: the first replica's shard group sends,
+    each flat over its own placement; its shard rank 0 (global rank 0: replicate axes are the
+    outer ones) receives."""
     for flat in fsdp.flats():
+        if not flat.placement.primary:
+            continue
+        me, group = flat.placement.shard_rank, flat.placement.shard_group
         n = flat.shard_numel
         for info in flat.infos:
             lo, hi = info.offset, info.offset + info.numel
@@ -104,13 +112,15 @@ def iter_full_state(
                     a, b = max(lo, r * n), min(hi, (r + 1) * n)
                     if r == 0:
                         out[a - lo : b - lo].copy_(flat.shard[a:b])
-                    else:  # shard rank r of the first replica is global rank r
-                        dist.recv(out[a - lo : b - lo], src=r, group=group)
+                    else:
+                        src = flat.placement.shard_ranks[r]
+                        dist.recv(out[a - lo : b - lo], src=src, group=group)
                 yield info.fqn, out.view(info.shape).to(dtype or torch.float32)
             elif me in owners:
                 a, b = max(lo, me * n), min(hi, (me + 1) * n)
                 piece = flat.shard[a - flat.lo : b - flat.lo]
-                dist.send(piece.to(flat.device, torch.float32).contiguous(), dst=0, group=group)
+                dst = flat.placement.shard_ranks[0]
+                dist.send(piece.to(flat.device, torch.float32).contiguous(), dst=dst, group=group)
 
 
 def full_state_dict(fsdp: ShardedModel, dtype: Optional[torch.dtype] = None) -> dict:
@@ -177,14 +187,13 @@ def _gather_full(
     fsdp: ShardedModel, local: Callable[[FlatParameter], torch.Tensor], trainable_only: bool
 ) -> dict[str, torch.Tensor]:
     out = {}
-    mesh = fsdp.mesh
     for flat in fsdp.flats():
         if trainable_only and not flat.requires_grad:
             continue
         mine = local(flat).to(fsdp.device, torch.float32)  # offloaded shards live on the host
         full = torch.empty(flat.padded_numel, dtype=torch.float32, device=mine.device)
-        if mesh.shard_size > 1:
-            _all_gather(full, mine, group=mesh.shard_group)
+        if flat.placement.shard_size > 1:
+            _all_gather(full, mine, group=flat.placement.shard_group)
         else:
             full.copy_(mine)
         for info in flat.infos:

@@ -31,7 +31,7 @@ import torch
 from .accounting import Accounting
 from .collectives import Collectives, Handle
 from .flat_param import FlatParameter
-from .mesh import ShardMesh
+from .mesh import Placement
 
 ReduceFn = Callable[[FlatParameter, str, torch.Tensor], None]
 """reduce(flat, unit name, complete unsharded gradient): the reducer's (Reducer.reduce)."""
@@ -59,7 +59,7 @@ class FSDPUnit:
         modules: tuple[torch.nn.Module, ...],
         flats: list[FlatParameter],
         owners: dict[str, torch.nn.Module],
-        mesh: ShardMesh,
+        placement: Placement,
         comm: Collectives,
         acct: Accounting,
         reduce: ReduceFn,
@@ -68,7 +68,7 @@ class FSDPUnit:
         reshard_after_forward: bool,
     ):
         self.name, self.modules, self.flats, self.owners = name, modules, flats, owners
-        self.mesh, self.comm, self.acct = mesh, comm, acct
+        self.placement, self.comm, self.acct = placement, comm, acct
         self.reduce = reduce  # takes each complete flat gradient (not under no_sync)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
@@ -77,7 +77,7 @@ class FSDPUnit:
         # (and lives where the unit computes).
         offloaded = any(f.host for f in flats)
         self.alias = (
-            mesh.shard_size == 1
+            placement.shard_size == 1
             and all(f.shard.dtype == param_dtype for f in flats)
             and not offloaded
         )
@@ -182,7 +182,7 @@ class FSDPUnit:
         self.acct.alloc("gathered_params", self.gathered_bytes)
         for flat, buf in zip(self.flats, self._buf):
             _alloc_storage(buf)
-            if self.mesh.shard_size == 1:
+            if self.placement.shard_size == 1:
                 # The compute-dtype copy is a local cast (offload=params: straight from the host).
                 buf.copy_(flat.shard if flat.staged else flat.gather_source(), non_blocking=True)
                 self.gathered = True
@@ -194,8 +194,8 @@ class FSDPUnit:
                     self.comm.all_gather(
                         buf,
                         flat.gather_source,
-                        self.mesh.shard_group,
-                        self.mesh.shard_size,
+                        self.placement.shard_group,
+                        self.placement.shard_size,
                         self.name,
                     )
                 )

@@ -14,9 +14,9 @@ import torch
 
 from .accounting import Accounting
 from .collectives import Collectives
-from .config import Offload
+from .config import Offload, ShardingStrategy
 from .flat_param import FlatParameter, ParamInfo
-from .mesh import ShardMesh
+from .mesh import Mesh, Placement
 from .unit import FSDPUnit, ReduceFn
 
 ROOT = "root"
@@ -71,7 +71,7 @@ class UnitBuilder:
     def __init__(
         self,
         model: torch.nn.Module,
-        mesh: ShardMesh,
+        mesh: Mesh,
         device: torch.device,
         comm: Collectives,
         acct: Accounting,
@@ -96,11 +96,15 @@ class UnitBuilder:
         self,
         name: str,
         spec: UnitSpec,
-        reshard_after_forward: bool,
+        strategy: ShardingStrategy,
         exclude: list[UnitSpec] = (),
+        root: bool = False,
     ) -> FSDPUnit:
         """The unit of the parameters of `spec`'s modules, minus those of the units in `exclude`
-        (the root excludes the other units). Trainable and frozen parameters get separate flats."""
+        (the root excludes the other units), placed on the mesh as `strategy` says. Trainable and
+        frozen parameters get separate flats. The `root` never reshards after forward: it is
+        gathered first and backward ends with it."""
+        placement = self.mesh.placement(strategy)
         excluded = {id(p) for e in exclude for m in unit_modules(e) for p in m.parameters()}
         modules = unit_modules(spec)
         owners, trainable, frozen, seen = {}, [], [], set()
@@ -114,7 +118,7 @@ class UnitBuilder:
                 entry = (fqn_mod, attr, p)
                 (trainable if p.requires_grad else frozen).append(entry)
         flats = [
-            self._flatten(entries, owners, rg)
+            self._flatten(entries, owners, rg, placement)
             for entries, rg in ((trainable, True), (frozen, False))
             if entries
         ]
@@ -123,16 +127,16 @@ class UnitBuilder:
             modules,
             flats,
             owners,
-            self.mesh,
+            placement,
             self.comm,
             self.acct,
             self.reduce,
             self.param_dtype,
             self.reduce_dtype,
-            reshard_after_forward,
+            strategy.reshard_after_forward and not root,
         )
 
-    def _flatten(self, entries, owners, requires_grad: bool) -> FlatParameter:
+    def _flatten(self, entries, owners, requires_grad: bool, placement: Placement) -> FlatParameter:
         # Matrices (weight decay) first, then the rest: two contiguous regions (see flat_param.py).
         entries = sorted(entries, key=lambda e: e[2].ndim < 2)
         infos, offset = [], 0
@@ -142,8 +146,7 @@ class UnitBuilder:
             offset += p.numel()
         flat = FlatParameter(
             infos,
-            self.mesh.shard_size,
-            self.mesh.shard_rank,
+            placement,
             requires_grad,
             self.device,
             host=self.offload.host,

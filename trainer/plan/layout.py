@@ -22,12 +22,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-import torch
-
-from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy
-from trainer.fsdp import FSDPModel, ShardMesh, parallelize, virtual_mesh
+from trainer.build import build
+from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy, TrainerConfig
+from trainer.fsdp import FSDPModel, Mesh, virtual_mesh
 from trainer.fsdp.wrap import ROOT
-from trainer.model import build_model
 
 from .levers import BYTES, state_bytes
 
@@ -49,6 +47,9 @@ class UnitLayout:
         int  # the unsharded compute-dtype buffers while gathered (0 if the shard is aliased)
     )
     opt_numel: int  # elements this rank keeps optimizer state for (real elements only, no padding)
+    shard_size: int = 1  # its placement on the mesh: its own strategy's (sharding.modules)
+    replicate_size: int = 1
+    reshard_after_forward: bool = False  # frees its gathered parameters after forward
 
 
 @dataclass(frozen=True)
@@ -99,16 +100,12 @@ class Layout:
         return next((i for i, u in enumerate(self.units) if u.kind == kind), None)
 
 
-def meta_engine(model: ModelConfig, sharding: ShardingConfig, mesh: ShardMesh) -> FSDPModel:
-    """The engine wrapped around a meta model; parameters are never materialised or initialised."""
+def meta_engine(model: ModelConfig, sharding: ShardingConfig, mesh: Mesh) -> FSDPModel:
+    """The engine as trainer/build.py builds it for training, around a meta model: parameters are
+    never materialised or initialised, and there is no optimizer (layout prices its state)."""
     sharding = dataclasses.replace(sharding, trace=False)
-    return parallelize(
-        build_model(model, device="meta"),
-        sharding,
-        mesh,
-        torch.device("meta"),
-        init_fn=lambda module, prefix: None,
-    )
+    job = TrainerConfig(model=model, sharding=sharding)
+    return build(job, mesh, "meta", init_fn=lambda module, prefix: None, optimizer=False).model
 
 
 def layout(
@@ -126,6 +123,7 @@ def layout(
         sharding.strategy,
         sharding.param_dtype,
         sharding.hybrid_shard_group_size,
+        tuple(sharding.modules.items()),
     )
     base = _layout(key, world_size, local_world_size, rank)
     return with_levers(base, sharding, state_dtype)
@@ -175,10 +173,13 @@ def _on_device(u: UnitLayout, param_bytes: int) -> UnitLayout:
 
 @lru_cache(maxsize=64)
 def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
-    model_fields, strategy, param_dtype, hybrid = key
+    model_fields, strategy, param_dtype, hybrid, modules = key
     model = ModelConfig(**dict(model_fields))
     sharding = ShardingConfig(
-        strategy=strategy, param_dtype=param_dtype, hybrid_shard_group_size=hybrid
+        strategy=strategy,
+        param_dtype=param_dtype,
+        hybrid_shard_group_size=hybrid,
+        modules=dict(modules),
     )
     mesh = virtual_mesh(sharding, rank, world_size, local_world_size)
     fsdp = meta_engine(model, sharding, mesh)
@@ -217,6 +218,9 @@ def _unit(u) -> UnitLayout:
         trainable=tuple(f.requires_grad for f in u.flats),
         gathered_bytes=0 if u.alias else u.gathered_bytes,
         opt_numel=sum(views),
+        shard_size=u.placement.shard_size,
+        replicate_size=u.placement.replicate_size,
+        reshard_after_forward=u.reshard_after_forward,
     )
 
 

@@ -326,12 +326,8 @@ def _strategies(
     """HYBRID_SHARD only where it differs from the others: 1 < shard group < world size."""
     out = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
     try:
-        shard, _ = mesh_shape(
-            ShardingStrategy.HYBRID_SHARD,
-            world_size,
-            cfg.sharding.hybrid_shard_group_size,
-            local_world_size,
-        )
+        hybrid = dataclasses.replace(cfg.sharding, strategy=ShardingStrategy.HYBRID_SHARD)
+        shard = mesh_shape(hybrid, world_size, local_world_size)["shard"]
     except ConfigError:
         return out
     return out + [ShardingStrategy.HYBRID_SHARD] if 1 < shard < world_size else out

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from trainer.config import ShardingConfig, ShardingStrategy
+from trainer.config import ShardingConfig
 
 from .activations import ActivationProfile
 from .layout import Layout
@@ -160,24 +160,27 @@ class _Gathered:
 
     def __init__(self, lay: Layout, sharding: ShardingConfig):
         self.lay, self.cfg = lay, sharding
-        self.keep_all = lay.strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
         self.sizes = [u.gathered_bytes for u in lay.units] + [0]  # [len]: the tied head (root)
+        # Units that keep their gathered parameters from their forward to the end of backward
+        # (SHARD_GRAD_OP, NO_SHARD: the mesh's strategy or their own, sharding.modules).
+        self.kept = [not u.reshard_after_forward for u in lay.units] + [False]
         self.root = lay.root.gathered_bytes
         k = sharding.max_gathers_in_flight
         self.forward_k = k if sharding.forward_prefetch else 0
         self.backward_k = k if sharding.backward_prefetch else 0
 
     def forward(self, i: int) -> int:
-        """Unit i computes its forward; the next k are prefetched."""
-        if self.keep_all:
-            return self.root + sum(self.sizes[: i + 1 + self.forward_k])
-        return self.root + sum(self.sizes[i : i + 1 + self.forward_k])
+        """Unit i computes its forward; the next k are prefetched; earlier units that keep
+        their parameters still hold them."""
+        kept = sum(size for size, keep in zip(self.sizes[:i], self.kept) if keep)
+        return self.root + kept + sum(self.sizes[i : i + 1 + self.forward_k])
 
     def backward(self, i: int) -> int:
-        """Unit i computes its backward; the next k of the backward order are prefetched."""
-        if self.keep_all:
-            return self.root + sum(self.sizes)
-        return self.root + sum(self.sizes[max(0, i - self.backward_k) : i + 1])
+        """Unit i computes its backward; the next k of the backward order are prefetched; every
+        unit that keeps its parameters holds them until backward ends."""
+        lo = max(0, i - self.backward_k)
+        window = sum(size for j, size in enumerate(self.sizes[lo : i + 1], lo) if not self.kept[j])
+        return self.root + sum(size for size, keep in zip(self.sizes, self.kept) if keep) + window
 
     def cast_inputs(self) -> int:
         """Shards cast to the compute dtype before a gather, alive while it is in flight (none
@@ -186,11 +189,14 @@ class _Gathered:
         master = str(self.cfg.master_dtype)
         if self.lay.offload == "params":
             size = staged_bytes_per_element(master, str(self.cfg.param_dtype))
-        elif str(self.cfg.param_dtype) == master or self.lay.shard_size == 1:
+        elif str(self.cfg.param_dtype) == master:
             return 0
         else:
             size = self.cfg.param_dtype.itemsize
-        shards = sorted((sum(u.shard) for u in self.lay.all_units), reverse=True)
+        units = self.lay.all_units
+        if self.lay.offload != "params":  # one rank per shard group: a local cast, no gather
+            units = [u for u in units if u.shard_size > 1]
+        shards = sorted((sum(u.shard) for u in units), reverse=True)
         return size * sum(shards[: 1 + max(self.forward_k, self.backward_k)])
 
 
@@ -205,12 +211,12 @@ class _Grads:
 
     def __init__(self, lay: Layout, sharding: ShardingConfig, micro_batches: int):
         size = sharding.reduce_dtype.itemsize
-        scattered = lay.shard_size > 1  # with one rank per shard group the reduction is in place
 
         def grad(u):
             return size * sum(p for p, t in zip(u.padded, u.trainable) if t)
 
-        def out(u):
+        def out(u):  # with one rank per shard group the reduction is in place
+            scattered = u.shard_size > 1
             return size * sum(s for s, t in zip(u.shard, u.trainable) if t) if scattered else 0
 
         units = dict(enumerate(lay.units))

@@ -4,12 +4,13 @@ The engine's Accounting.record_comm is replayed for each collective the schedule
 numbers are the ones a training step reports (ring algorithms: an all-gather of T output bytes or
 a reduce-scatter of T input bytes over N ranks moves T(N-1)/N; an all-reduce twice that).
 
-Per micro-batch: FULL_SHARD / HYBRID_SHARD gather every unit in forward and again in backward,
-but the root (gathered all step) and the last unit of the forward (kept for the backward that
-starts with it); SHARD_GRAD_OP gathers every unit once; NO_SHARD gathers nothing. Once per step,
+Each unit by its own placement (sharding.modules may give it another strategy than the mesh's).
+Per micro-batch: FULL_SHARD / HYBRID_SHARD units gather in forward and again in backward, but
+the root (gathered all step) and the last unit of the forward (kept for the backward that
+starts with it); SHARD_GRAD_OP units gather once; NO_SHARD units gather nothing. Once per step,
 on the last micro-batch (every micro-batch with sharding.sharded_grad_accumulation): a
-reduce-scatter of every flat gradient inside the shard group, then (HYBRID_SHARD) an all-reduce of
-the shard across replicas; NO_SHARD all-reduces the whole gradient.
+reduce-scatter of every flat gradient inside its shard group, then (HYBRID_SHARD) an all-reduce
+of the shard across replicas; NO_SHARD all-reduces the whole gradient.
 
 pcie_per_step: the bytes over the worker's own host <-> device link with the optimizer or the
 parameters offloaded (levers.py prices them): the gradients down once per reduction, and the
@@ -20,7 +21,7 @@ local copy).
 
 from __future__ import annotations
 
-from trainer.config import ShardingConfig, ShardingStrategy
+from trainer.config import ShardingConfig
 from trainer.fsdp.accounting import Accounting
 
 from .layout import Layout, UnitLayout
@@ -35,18 +36,18 @@ def bytes_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) ->
     for _ in range(micro_batches):
         for unit in _gathered_per_micro_batch(lay):
             for padded in unit.padded:
-                acct.record_comm("all_gather", padded * p, lay.shard_size)
+                acct.record_comm("all_gather", padded * p, unit.shard_size)
     reductions = micro_batches if sharding.sharded_grad_accumulation else 1
     for _ in range(reductions):
         for unit in lay.all_units:
             for padded, shard, trainable in zip(unit.padded, unit.shard, unit.trainable):
                 if not trainable:
                     continue
-                if lay.shard_size > 1:
-                    acct.record_comm("reduce_scatter", padded * r, lay.shard_size)
-                    acct.record_comm("all_reduce", shard * r, lay.replicate_size)
+                if unit.shard_size > 1:
+                    acct.record_comm("reduce_scatter", padded * r, unit.shard_size)
+                    acct.record_comm("all_reduce", shard * r, unit.replicate_size)
                 else:
-                    acct.record_comm("all_reduce", padded * r, lay.replicate_size)
+                    acct.record_comm("all_reduce", padded * r, unit.replicate_size)
     return {op: acct.comm_bytes.get(op, 0) for op in OPS}
 
 
@@ -67,15 +68,13 @@ def pcie_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) -> 
 
 
 def _gathered_per_micro_batch(lay: Layout) -> list[UnitLayout]:
-    """Every unit in forward; FULL_SHARD / HYBRID_SHARD every unit again in backward but the last
-    of the forward, which keeps its parameters into the backward that starts with it."""
-    if lay.shard_size == 1:
-        return []  # the compute copy is a local cast: nothing on the wire
-    return _uses_per_micro_batch(lay)
+    """Every unit in forward; FULL_SHARD / HYBRID_SHARD units again in backward but the last of
+    the forward, which keeps its parameters into the backward that starts with it. A unit with
+    one rank per shard group only casts its shard: nothing on the wire."""
+    return [u for u in _uses_per_micro_batch(lay) if u.shard_size > 1]
 
 
 def _uses_per_micro_batch(lay: Layout) -> list[UnitLayout]:
     """The units each micro-batch gathers (or, with one rank per shard group, casts), in order."""
-    if lay.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
-        return [*lay.all_units, *lay.units[:-1]]
-    return list(lay.all_units)
+    again = [u for u in lay.units[:-1] if u.reshard_after_forward]
+    return [*lay.all_units, *again]
