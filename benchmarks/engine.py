@@ -112,15 +112,22 @@ from typing import Callable, Iterator, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch._C._profiler import _EventType
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # the reference, here only
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.peers import adamw, ddp, fsdp2
 from benchmarks.ranks import run_ranks
-from trainer.config import DType, ModelConfig, ShardingConfig, model_config
-from trainer.fsdp import FSDPModel, build_mesh, parallelize
+from trainer.build import build as build_engine
+from trainer.config import (
+    DType,
+    ModelConfig,
+    OptimConfig,
+    ShardingConfig,
+    TrainConfig,
+    TrainerConfig,
+    model_config,
+)
+from trainer.fsdp import FSDPModel, build_mesh
 from trainer.model import build_model, count_params, initializer
-from trainer.optim import implementation
 from trainer.speed import compile_blocks
 from trainer.step import TorchPeer
 from trainer.step import train_step as train_step_recipe
@@ -259,16 +266,10 @@ class Contestant:
     steps_done: int = 0
 
 
-def adamw(decay: list, rest: list) -> torch.optim.Optimizer:
-    """AdamW as trainer/optim.py builds it on this device (foreach on the CPU), weight decay on
-    matrices only: the same for every contestant, so the optimizer is not what differs."""
-    groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **implementation(DEVICE))
-
-
 def matrices_first(model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = list(model.parameters())
-    return adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2])
+    """AdamW as trainer/optim.py builds it on this device (fused on the CPU), weight decay on
+    matrices only: the same for every contestant, so the optimizer is not what differs."""
+    return adamw(model, lr=LR, weight_decay=WD, betas=BETAS, eps=EPS, device=DEVICE)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
@@ -276,15 +277,19 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
 
 
 def build_ours(name: str, run: Run, rank: int, compiled: bool = False) -> Contestant:
-    cfg = ShardingConfig(strategy=OURS[name], param_dtype=run.param_dtype, reduce_dtype="float32")
-    cfg.validate()
-    mesh = build_mesh(cfg, rank, run.world, local_world_size=run.world)
-    model = build_model(run.cfg, device="meta")
-    if compiled:  # as trainer.speed.apply_speed_levers does it: before the engine wraps the model
-        compile_blocks(model, run.backend)
-    fsdp = parallelize(model, cfg, mesh, DEVICE, init_fn=initializer(SEED))
-    groups = fsdp.param_groups(WD)
-    opt = adamw(groups[0]["params"], groups[1]["params"])
+    """Ours as the loop builds it (trainer/build.py), with the same AdamW as the others."""
+    job = TrainerConfig(
+        model=run.cfg,
+        sharding=ShardingConfig(
+            strategy=OURS[name], param_dtype=run.param_dtype, reduce_dtype="float32"
+        ),
+        optim=OptimConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD),
+        train=TrainConfig(compile=compiled),
+    )
+    job.sharding.validate()
+    mesh = build_mesh(job.sharding, rank, run.world, local_world_size=run.world)
+    built = build_engine(job, mesh, DEVICE, initializer(SEED), compile_backend=run.backend)
+    fsdp, opt = built.model, built.optimizer
 
     def held():
         shards = [t for f in fsdp.flats() for t in (f.shard, f.grad) if t is not None]
@@ -293,24 +298,11 @@ def build_ours(name: str, run: Run, rank: int, compiled: bool = False) -> Contes
     return Contestant(name, fsdp, opt, 1.0, fsdp, held, fsdp=fsdp)
 
 
-def fsdp2_units(model: torch.nn.Module) -> list[tuple[object, bool]]:
-    """(module or modules, reshard_after_forward) of each FSDP2 group, torchtitan-style and the
-    same units as our transformer_policy; the head is not resharded: backward starts with it."""
-    blocks = [(block, True) for block in model.layers]
-    return [(model.tok_embeddings, True), *blocks, ([model.norm, model.output], False)]
-
-
 def build_fsdp2(run: Run, rank: int, compiled: bool = False) -> Contestant:
     model = build_model(run.cfg, device="cpu", seed=SEED)
     if compiled:  # the same way as ours: each block's forward, FSDP2's hooks outside it
         compile_blocks(model, run.backend)
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=getattr(torch, run.param_dtype), reduce_dtype=torch.float32
-    )
-    units = fsdp2_units(model)
-    for modules, reshard in units:  # torch 2.13's fully_shard takes a list as one group
-        fully_shard(modules, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=mp_policy)
+    units = fsdp2(model, param_dtype=getattr(torch, run.param_dtype))
     opt = matrices_first(model)
 
     def held():
@@ -331,7 +323,7 @@ def build_fsdp2(run: Run, rank: int, compiled: bool = False) -> Contestant:
 
 
 def build_ddp(run: Run, rank: int) -> Contestant:
-    model = DDP(build_model(run.cfg, device="cpu", seed=SEED), gradient_as_bucket_view=True)
+    model = ddp(build_model(run.cfg, device="cpu", seed=SEED))
     opt = matrices_first(model)
 
     def held():

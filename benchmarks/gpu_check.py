@@ -59,21 +59,15 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (  # the reference, here only
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine import allocation_high_water
-from benchmarks.gpu_stages import BUDGET_S, CUDA_HINT, MIN_STAGE_S, run_all
+from benchmarks.gpu_contestants import CONTESTANTS, SEED, Setup, initial_state
+from benchmarks.gpu_stages import BUDGET_S, MIN_STAGE_S, resolve_device, run_all
 from trainer.config import (
     ConfigError,
     DataConfig,
@@ -85,31 +79,15 @@ from trainer.config import (
     model_config,
 )
 from trainer.device import peak_flops
-from trainer.fsdp import build_mesh, parallelize
-from trainer.fsdp.parallelize import apply_activation_checkpointing
-from trainer.model import build_model, flops_per_token
-from trainer.optim import build_optimizer, implementation, lr_at, set_lr
+from trainer.model import flops_per_token
+from trainer.optim import lr_at, set_lr
 from trainer.plan import MemoryPlan, plan
-from trainer.speed import apply_speed_levers, check_float8
-from trainer.step import TorchPeer, train_step
+from trainer.speed import check_float8
 
 GiB = 2**30
-SEED = 0
 LOSS_TOLERANCE = (
     1e-2  # bf16 first-step loss, ours vs FSDP2 (tests/fsdp/test_parity.py's bf16 bound)
 )
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One model's runs: the batch every contestant trains on, and how many steps each."""
-
-    model: str
-    batch: int
-    """Sequences per step (the whole global batch: world size 1)."""
-    seq_len: int
-    warmup: int
-    steps: int
 
 
 # Sized for MFU within make gpu-check's 6 minutes on one H200 (141 GB); planned peaks without / with
@@ -203,132 +181,6 @@ class MemoryWatch:
             self._prof.__exit__(*exc)
             if exc[0] is None:
                 self.peak = allocation_high_water(self._prof)
-
-
-# ---- the contestants -------------------------------------------------------------------------
-class Ours:
-    """Our engine, built and stepped as trainer/loop.py does."""
-
-    name = "ours"
-
-    def __init__(
-        self,
-        mcfg: ModelConfig,
-        sharding: ShardingConfig,
-        optim: OptimConfig,
-        device,
-        init,
-        train: TrainConfig = TrainConfig(),
-        backend: str = "inductor",
-    ):
-        model = build_model(mcfg, device="meta")
-        apply_speed_levers(model, train, device, backend)  # as the loop does, before the engine
-        self.model = parallelize(
-            model,
-            sharding,
-            build_mesh(sharding, 0, 1),
-            device,
-            init_fn=copy_init(init),
-        )
-        self.optimizer = build_optimizer(self.model, optim)
-        self.clip = optim.grad_clip
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, tokens: int) -> torch.Tensor:
-        """trainer/step.py's step, as the loop runs it; the mean token loss (a device scalar)."""
-        return train_step(
-            self.model, self.optimizer, [(x, y, 1.0)], global_tokens=tokens, grad_clip=self.clip
-        ).loss
-
-    def exposed_ms(self) -> Optional[float]:
-        """This step's exposed communication (reading it waits for the step's last collective)."""
-        return self.model.metrics()["comm/exposed_ms"]
-
-
-class FSDP2:
-    """torch FSDP2 with torchtitan's units on the same model, weights and optimizer settings."""
-
-    name = "fsdp2"
-
-    def __init__(
-        self,
-        mcfg: ModelConfig,
-        sharding: ShardingConfig,
-        optim: OptimConfig,
-        device,
-        init,
-        train: TrainConfig = TrainConfig(),
-        backend: str = "inductor",
-    ):
-        model = build_model(mcfg, device="meta")
-        apply_speed_levers(model, train, device, backend)  # the same blocks as ours
-        model.to_empty(device=device)
-        model.load_state_dict(init)
-        if sharding.activation_checkpointing:
-            for block in model.layers:  # the engine's own wrapper: the same recomputation
-                apply_activation_checkpointing(block)
-        mesh = init_device_mesh(torch.device(device).type, (1,))
-        mp = MixedPrecisionPolicy(
-            param_dtype=sharding.param_dtype.torch, reduce_dtype=sharding.reduce_dtype.torch
-        )
-        offloaded = str(sharding.offload) == "params"
-        kw = dict(
-            mesh=mesh,
-            mp_policy=mp,
-            offload_policy=CPUOffloadPolicy(pin_memory=True) if offloaded else OffloadPolicy(),
-        )
-        fully_shard(model.tok_embeddings, **kw)
-        for block in model.layers:
-            fully_shard(block, **kw)
-        # Backward starts with the head: keeping it gathered saves a re-gather (torchtitan).
-        fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
-        fully_shard(model, **kw)
-        self.model = model
-        if offloaded:  # its sharded parameters and their optimizer live on the host
-            device = torch.device("cpu")
-        decay = [p for p in model.parameters() if p.ndim >= 2]  # build_optimizer's rule
-        rest = [p for p in model.parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": optim.weight_decay},
-                {"params": rest, "weight_decay": 0.0},
-            ],
-            lr=optim.lr,
-            betas=(optim.beta1, optim.beta2),
-            eps=optim.eps,
-            **implementation(device),
-        )
-        self.clip = optim.grad_clip
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The same recipe (FSDP2 averages over ranks: at world size 1 the same gradient)."""
-        peer = TorchPeer(self.model, self.optimizer)
-        return train_step(
-            peer, self.optimizer, [(x, y, 1.0)], global_tokens=tokens, grad_clip=self.clip
-        ).loss
-
-    def exposed_ms(self) -> Optional[float]:
-        return None
-
-
-def initial_state(mcfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every parameter as trainer.model.initializer(SEED) fills it, on the host. Drawn once per
-    model: the 1b draws 1.5B numbers on one CPU core (seconds each time); every run copies."""
-    model = build_model(mcfg, device="cpu", seed=SEED)
-    return {k: p.detach() for k, p in model.named_parameters()}
-
-
-def copy_init(state: dict[str, torch.Tensor]) -> Callable[[torch.nn.Module, str], None]:
-    """init_fn for parallelize: the values initializer(SEED) would draw, copied from `state`."""
-
-    def init(module: torch.nn.Module, prefix: str) -> None:
-        with torch.no_grad():
-            for name, p in module.named_parameters(recurse=False):
-                p.copy_(state[prefix + name])
-
-    return init
-
-
-CONTESTANTS = {"ours": Ours, "fsdp2": FSDP2}
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -583,19 +435,6 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 # ---- entry -----------------------------------------------------------------------------------
-def resolve_device(name: str) -> torch.device:
-    """cuda:0 (fails with how to get a CUDA build when there is none) or the CPU."""
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            f"benchmarks.gpu_check --device cuda: torch {torch.__version__} in {sys.executable} "
-            f"sees no CUDA device (torch.version.cuda={torch.version.cuda}); {CUDA_HINT}"
-        )
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
-
-
 def setups(args) -> tuple[Setup, ...]:
     if args.quick:
         return QUICK

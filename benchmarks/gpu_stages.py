@@ -311,6 +311,21 @@ def _nccl_cost(torch) -> Optional[float]:
     return (before - after) / MiB
 
 
+def resolve_device(name: str):
+    """cuda:0 (fails with how to get a CUDA build when there is none) or the CPU."""
+    import torch  # noqa: PLC0415 -- see env_stage
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            f"benchmarks.gpu_check --device cuda: torch {torch.__version__} in {sys.executable} "
+            f"sees no CUDA device (torch.version.cuda={torch.version.cuda}); {CUDA_HINT}"
+        )
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
 # ---- stage: leak -------------------------------------------------------------------------------
 def leak_stage(file: Path) -> int:
     """Build, step and drop each contestant on CUDA; the device memory allocated afterwards must
@@ -318,12 +333,12 @@ def leak_stage(file: Path) -> int:
     import torch  # noqa: PLC0415 -- see env_stage
     import torch.distributed as dist  # noqa: PLC0415 -- see env_stage
 
-    from benchmarks import gpu_check  # noqa: PLC0415 -- torch, the engine and FSDP2
+    from benchmarks import gpu_contestants  # noqa: PLC0415 -- torch, the engine and FSDP2
 
     if not torch.cuda.is_available():
         file.write_text(json.dumps(dict(status="no_cuda")) + "\n")
         return NO_CUDA_EXIT
-    device = gpu_check.resolve_device("cuda")
+    device = resolve_device("cuda")
 
     def allocated() -> int:
         torch.cuda.synchronize(device)
@@ -332,7 +347,7 @@ def leak_stage(file: Path) -> int:
     dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
     rows = []
     try:
-        for label, build in leak_contestants(gpu_check, device, "125m"):
+        for label, build in leak_contestants(gpu_contestants, device, "125m"):
             rows.append(probe(label, build, device, allocated))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
@@ -344,25 +359,29 @@ def leak_stage(file: Path) -> int:
 
 
 def leak_contestants(
-    gpu_check, device, model: str, batch: int = 4, seq_len: int = 128
+    contestants, device, model: str, batch: int = 4, seq_len: int = 128
 ) -> list[tuple[str, Callable]]:
     """(label, build) for each contestant the GPU check measures, on a 4-block `model`, each
-    stepped twice on `batch` x `seq_len` tokens."""
-    from trainer.config import ShardingConfig, model_config  # noqa: PLC0415 -- see leak_stage
+    stepped twice on `batch` x `seq_len` tokens (`contestants`: benchmarks.gpu_contestants)."""
+    from trainer.config import (  # noqa: PLC0415 -- see leak_stage
+        OptimConfig,
+        ShardingConfig,
+        model_config,
+    )
 
     mcfg = model_config(model, n_layers=4)
-    init = gpu_check.initial_state(mcfg)
-    setup = gpu_check.Setup(model, batch, seq_len, 0, 2)
+    init = contestants.initial_state(mcfg)
+    setup = contestants.Setup(model, batch, seq_len, 0, 2)
 
     def make(cls, **sharding):
         cfg = ShardingConfig(strategy="FULL_SHARD", param_dtype="bfloat16", **sharding)
-        return lambda: (cls(mcfg, cfg, gpu_check.OptimConfig(), device, init), setup)
+        return lambda: (cls(mcfg, cfg, OptimConfig(), device, init), setup)
 
     return [
-        ("ours", make(gpu_check.Ours)),
-        ("ours offload=optimizer", make(gpu_check.Ours, offload="optimizer")),
-        ("ours activation checkpointing", make(gpu_check.Ours, activation_checkpointing=True)),
-        ("fsdp2", make(gpu_check.FSDP2)),
+        ("ours", make(contestants.Ours)),
+        ("ours offload=optimizer", make(contestants.Ours, offload="optimizer")),
+        ("ours activation checkpointing", make(contestants.Ours, activation_checkpointing=True)),
+        ("fsdp2", make(contestants.FSDP2)),
     ]
 
 

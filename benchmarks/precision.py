@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.engine import MODELS as ENGINE_MODELS
-from trainer.config import OptimConfig, ShardingConfig, model_config
-from trainer.fsdp import build_mesh, parallelize
-from trainer.model import build_model, initializer, loss_sum
-from trainer.optim import build_optimizer, lr_at
+from trainer.build import build
+from trainer.config import OptimConfig, ShardingConfig, TrainConfig, TrainerConfig, model_config
+from trainer.fsdp import build_mesh
+from trainer.model import initializer, loss_sum
+from trainer.optim import lr_at
 from trainer.step import train_step
 
 SEED = 1234
@@ -94,12 +95,16 @@ class Bigrams:
         return toks[:, :-1], toks[:, 1:]
 
 
-def engine(args: Args, sharding: dict):
-    cfg = ShardingConfig(**sharding)
-    mesh = build_mesh(cfg, 0, 1, local_world_size=1)
-    model_cfg = model_config("tiny", **MODELS[args.model])
-    fsdp = parallelize(build_model(model_cfg, device="meta"), cfg, mesh, "cpu", initializer(SEED))
-    return fsdp, model_cfg
+def engine(args: Args, sharding: dict, state_dtype: str):
+    """The engine and its optimizer as the loop builds them (trainer/build.py), one rank."""
+    job = TrainerConfig(
+        model=model_config("tiny", **MODELS[args.model]),
+        sharding=ShardingConfig(**sharding),
+        optim=OptimConfig(state_dtype=state_dtype),
+        train=TrainConfig(seed=SEED),
+    )
+    built = build(job, build_mesh(job.sharding, 0, 1), "cpu", initializer(SEED))
+    return built.model, built.optimizer, job.optim
 
 
 def per_param(fsdp, opt) -> dict:
@@ -120,9 +125,7 @@ def per_param(fsdp, opt) -> dict:
 
 def train(args: Args, name: str, data: Bigrams) -> dict:
     sharding, state_dtype = VARIANTS[name]
-    fsdp, _ = engine(args, sharding)
-    optim = OptimConfig(state_dtype=state_dtype)
-    opt = build_optimizer(fsdp, optim, seed=SEED)
+    fsdp, opt, optim = engine(args, sharding, state_dtype)
     losses, times = [], []
     for step in range(args.steps):
         x, y = data.batch(SEED + step, args.batch)
@@ -151,9 +154,8 @@ def train(args: Args, name: str, data: Bigrams) -> dict:
 
 
 def memory(args: Args, name: str, data: Bigrams) -> dict:
-    fsdp, _ = engine(args, OFFLOAD[name])
     state_dtype = "bfloat16" if "bf16" in name else "float32"
-    opt = build_optimizer(fsdp, OptimConfig(state_dtype=state_dtype), seed=SEED)
+    fsdp, opt, _ = engine(args, OFFLOAD[name], state_dtype)
     times = []
     for step in range(args.memory_steps):
         x, y = data.batch(SEED + step, args.batch)

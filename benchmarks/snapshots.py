@@ -46,6 +46,7 @@ from benchmarks.engine import MODELS, Run, batches, build_ours, train_step
 from cluster.snapshots import keeper_fs
 from cluster.snapshots import keepers as snapshots
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.launch_storage import LaunchStorage
 from trainer.config import TrainerConfig
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 
@@ -83,9 +84,13 @@ def rank_main(rank: int, a: Args, queue) -> None:
             cfg = TrainerConfig()
             cfg.train.steps, cfg.train.checkpoint_every = 10**9, 0
             cfg.train.snapshot_every = {"off": 0, "every": 1, "auto": None}[mode]
+            storage = LaunchStorage(
+                os.path.join(a.tmp, f"durable-{name}-{mode}"),
+                snapshot_root=f"keeper://{a.run_key}/{name}-{mode}",
+            )
             ckpts[mode] = Checkpointer(
                 cfg,
-                os.path.join(a.tmp, f"durable-{name}-{mode}"),
+                storage,
                 contestant.fsdp,
                 contestant.optimizer,
                 ShardedGradScaler(enabled=False),
@@ -93,7 +98,6 @@ def rank_main(rank: int, a: Args, queue) -> None:
                 world_size=a.world,
                 device=torch.device("cpu"),
                 control=control,
-                snapshot_root=f"keeper://{a.run_key}/{name}-{mode}",
                 log=lambda *_: None,
             )
         total_steps = a.reps * len(MODES) * (a.steps + a.warmup)

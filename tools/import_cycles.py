@@ -1,4 +1,4 @@
-"""Import circles in trainer/ and cluster/: `make lint` fails on any.
+"""Import circles in trainer/, cluster/ and benchmarks/: `make lint` fails on any.
 
     python tools/import_cycles.py            # prints each circle, exits 1 if there is one
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("trainer", "cluster")
+PACKAGES = ("trainer", "cluster", "benchmarks")
 
 
 def modules() -> dict[str, Path]:

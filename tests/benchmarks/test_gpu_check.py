@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks import gpu_check, gpu_stages
+from benchmarks import gpu_check, gpu_contestants, gpu_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -164,7 +164,7 @@ def test_the_leak_stage_builds_steps_and_drops_every_contestant(monkeypatch):
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         cpu = torch.device("cpu")
-        built = gpu_stages.leak_contestants(gpu_check, cpu, "tiny", batch=1, seq_len=8)
+        built = gpu_stages.leak_contestants(gpu_contestants, cpu, "tiny", batch=1, seq_len=8)
         alive = []
         live_models = lambda: 20 * gpu_stages.LEAK_SLACK * len(alive)  # a stand-in allocator
         for label, build in built:

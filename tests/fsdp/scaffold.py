@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from benchmarks.peers import adamw, fsdp2
 from trainer.config import ShardingConfig, model_config
 from trainer.fsdp import FSDPModel, build_mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
@@ -39,7 +40,8 @@ def batch(step: int, global_batch: int):
 
 
 def optimizer(groups, lr: float = LR):
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    """torch's AdamW (benchmarks/peers.py), the plain single-tensor loop, over `groups`."""
+    return adamw(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def lever_optimizer(fsdp: FSDPModel, lr: float = LR, state_dtype: str = "float32", seed: int = 0):
@@ -67,9 +69,7 @@ def reference(steps: int, global_batch: int, skip: tuple[int, ...] = ()):
     """Single process, whole batch, plain model: per-step (loss, grad norm) and step-0 grads.
     The steps in `skip` compute their loss and take no optimizer step (an fp16 overflow step)."""
     model = build_model(tiny(), device="cpu", seed=SEED)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = optimizer([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}])
+    opt = adamw(model, lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8)
     losses, norms, grads0 = [], [], None
     for step in range(steps):
         x, y = batch(step, global_batch)
@@ -209,18 +209,11 @@ def update_error(params: dict, ref: dict, p0: dict) -> dict[str, float]:
 
 
 def fsdp2_run(rank: int, world: int, steps: int, global_batch: int, param_dtype: str):
-    """torch FSDP2 as the peer reference (tests only): same model, data split and optimizer."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    dtype = getattr(torch, param_dtype)
+    """torch FSDP2 as the peer reference (benchmarks/peers.py): same model, data split and
+    optimizer."""
     model = build_model(tiny(), device="cpu", seed=SEED)
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = optimizer([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}])
+    fsdp2(model, param_dtype=getattr(torch, param_dtype))
+    opt = adamw(model, lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8)
     lo, hi = rank * global_batch // world, (rank + 1) * global_batch // world
     losses = []
     names = [k for k, _ in model.named_parameters()]
