@@ -1,7 +1,11 @@
 """Asynchronous collectives with accounting, trace and the time the compute path waits on them.
 
 CPU (gloo): `async_op=True` work handles; gloo's own threads move the bytes while the caller
-computes, and the caller blocks in `wait()` only when it needs the result.
+computes, and the caller blocks in `wait()` only when it needs the result. Gloo copies the input
+of a reduce-scatter when it is issued (not an all-gather's: tests/fsdp/test_gloo_premises.py
+checks both), and its work object holds that copy until it is waited for: the caller's input is
+not kept, so a unit's unsharded gradient is freed the moment its reduce-scatter is issued
+instead of living twice (ours and gloo's) until it retires.
 
 CUDA (NCCL): each kind runs on its own high-priority stream, so a collective issued while a
 long kernel queue is pending starts as soon as the link is free. The collective stream first
@@ -119,7 +123,7 @@ class Collectives:
     ) -> Handle:
         fn = lambda a: (
             _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=a),
-            (inp,),
+            (inp,) if self.cuda else (),  # gloo works on its own copy (see the docstring)
         )
         return self._issue("reduce_scatter", unit, fn, inp.numel() * inp.element_size(), size)
 
