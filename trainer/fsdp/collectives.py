@@ -5,7 +5,12 @@ computes, and the caller blocks in `wait()` only when it needs the result. Gloo 
 of a reduce-scatter when it is issued (not an all-gather's: tests/fsdp/test_gloo_premises.py
 checks both), and its work object holds that copy until it is waited for: the caller's input is
 not kept, so a unit's unsharded gradient is freed the moment its reduce-scatter is issued
-instead of living twice (ours and gloo's) until it retires.
+instead of living twice (ours and gloo's) until it retires. Gloo's all-gather, on the other hand,
+gathers into a temporary of the whole output and copies it out at the end: in flight behind a
+unit's compute that is a second gathered unit alive at once. On the CPU the engine's all-gather
+is therefore point-to-point on gloo (`_PointToPointGather`): each rank sends its shard to every
+peer and receives theirs straight into its slice of the output, the bytes a ring moves, no
+temporary (other CPU backends, such as the tests' threaded one, keep the collective).
 
 CUDA (NCCL): each kind runs on its own high-priority stream, so a collective issued while a
 long kernel queue is pending starts as soon as the link is free. The collective stream first
@@ -72,6 +77,28 @@ class Handle:
         self._acct.event("wait", self.op, self.unit)
 
 
+class _PointToPointGather:
+    """An all-gather on the CPU as sends and receives: this rank's shard to every peer, theirs
+    into their slices of `out` (gloo writes a receive straight into the tensor), its own copied
+    in. Every rank posts them in the same order (peers by group rank), so the messages of two
+    gathers in flight between a pair never cross."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, size: int):
+        me = dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
+        chunks = out.chunk(size)
+        self._works = []
+        for peer in range(size):
+            if peer != me:
+                self._works.append(dist.isend(inp, group=group, group_dst=peer))
+                self._works.append(dist.irecv(chunks[peer], group=group, group_src=peer))
+        chunks[me].copy_(inp)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
 def _timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
@@ -114,6 +141,8 @@ class Collectives:
         def fn(a):
             shard = source()
             inp = shard if shard.dtype == out.dtype else shard.to(out.dtype)
+            if not self.cuda and dist.get_backend(group) == "gloo":
+                return _PointToPointGather(out, inp, group, size), (inp,)
             return _all_gather(out, inp, group=group, async_op=a), (inp,)
 
         return self._issue("all_gather", unit, fn, out.numel() * out.element_size(), size)
