@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # ~16 s in CI; the chunked loss itself is tested in tests/test_chunked_loss.py
+@pytest.mark.slow  # ~16 s in CI; the chunked loss itself: tests/trainer/test_chunked_loss.py
 def test_quick_loss_benchmark_reports_memory_time_and_the_crossover():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(

@@ -1,11 +1,12 @@
 """In-memory snapshots (trainer/checkpoint/snapshots.py) under plain torch.multiprocessing.
 
 The snapshot root here is a local folder standing in for the peers' memory (the cluster layer's
-keeper:// filesystem, tests/cluster/test_snapshots.py): the format, the cadence, the resume and
-the fallback are the trainer's and are the same on either. A run crashes (an exception out of
-the loop, then its processes are killed, as a dead node's are) long before its next durable
-checkpoint; the group that replaces it, at another world size, resumes from the newest complete
-snapshot and trains the same loss curve as a run that never crashed (1e-5 relative, fp32)."""
+keeper:// filesystem, tests/cluster/snapshots/test_snapshots.py): the format, the cadence, the
+resume and the fallback are the trainer's and are the same on either. A run crashes (an exception
+out of the loop, then its processes are killed, as a dead node's are) long before its next
+durable checkpoint; the group that replaces it, at another world size, resumes from the newest
+complete snapshot and trains the same loss curve as a run that never crashed (1e-5 relative,
+fp32)."""
 
 import contextlib
 import io

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THERE = ("torch", "numpy", "pyarrow", "safetensors", "tokenizers", "transformers", "pytest")
 NOT_THERE = ("ray", "hydra", "omegaconf", "mlflow", "boto3")
 

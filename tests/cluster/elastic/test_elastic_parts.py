@@ -31,7 +31,7 @@ from cluster.elastic.leave import leave
 from cluster.elastic.tracker import ATTEMPTS_DIR, ElasticTracker, chain
 from cluster.run.folder import RunFolder
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class Clock:

@@ -32,7 +32,7 @@ from trainer.model import build_model, initializer
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128
 NEW = 16
 PROMPT = [5, 17, 42, 99, 3, 64]

@@ -1,7 +1,7 @@
 """cluster/report.py on a sqlite store filled with known metrics (no Ray): the numbers in the
 table, the verdict (a fastest only when the numbers can tell it), the parent's description, the
 files, the images, and which runs a target names. The report on a real sweep is in
-test_sweep.py."""
+tests/cluster/test_sweep.py."""
 
 from __future__ import annotations
 

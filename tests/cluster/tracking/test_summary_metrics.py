@@ -1,6 +1,6 @@
 """The Summary/* metrics a run ends with (cluster/tracking/summary.py, logged by
 cluster/tracking/job.py), on a real sqlite MLflow store holding a known per-step history (no
-Ray). The summaries of a real sweep's runs are checked in test_sweep.py."""
+Ray). The summaries of a real sweep's runs are checked in tests/cluster/test_sweep.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ worker; durable checkpoints every CHECKPOINT_EVERY steps (rarely) and an in-memo
 SNAPSHOT_EVERY, kept by a keeper actor on each node (each file on its writer's node and the
 next). Every event falls at a random step (DRILL_SEED, printed, replays them). Two runs, each
 compared step by step with the same config trained without Ray and without interruption, at the
-same world sizes (tests/cluster/elastic_reference.py says why):
+same world sizes (tests/cluster/elastic/elastic_reference.py says why):
 
 1. Fixed at 2 workers, with spare worker processes (cluster/elastic/spares.py). Rank 1 crashes
    (fault config): Ray restarts the group in the spares, and it resumes from the newest complete
@@ -41,12 +41,12 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from cluster.compose import register_schemas, to_job_config
+from tests.cluster.elastic.elastic_reference import reference_losses
 from tests.cluster.elastic_cluster import LocalCluster, attempts, start_cli, wait_until
-from tests.cluster.elastic_reference import reference_losses
 from trainer.checkpoint import list_checkpoints
 from trainer.data import prepare
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SMALL = [
     "model.dim=64",
     "model.n_layers=2",

@@ -22,7 +22,7 @@ import ray
 from cluster.elastic import spares
 from tests.cluster.elastic_cluster import LocalCluster, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 WARM_TIMEOUT_S = 120.0  # a spare imports torch, Ray Train and MLflow: ~5 s alone, more when busy
 
 
@@ -133,7 +133,7 @@ DRIVER = textwrap.dedent(
     """
     import ray, sys
     from cluster.elastic import spares
-    from tests.cluster.test_spares import probe_class
+    from tests.cluster.elastic.test_spares import probe_class
     ray.init(address=sys.argv[1], logging_level="WARNING")
     worker = probe_class().remote()
     ray.get(worker.request.remote(1))
