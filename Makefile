@@ -12,12 +12,16 @@ STAMP       := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Re-install only when the dependency list or the torch spec changes.
-$(STAMP): pyproject.toml Makefile
+# Re-install only when the dependency list or the torch spec changes. tools/quiet_torchao.pth:
+# on a CPU build of torch, torchao's CUDA extensions fail to load and it says so (and torch
+# warns about its Enum registrations) at every import, transformers' included; the venv's
+# interpreters leave exactly those lines out (any other warning stays).
+$(STAMP): pyproject.toml Makefile tools/quiet_torchao.pth
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev,float8]" "$(TORCH_SPEC)"
+	$(PY) -c "import shutil, sysconfig; shutil.copy('tools/quiet_torchao.pth', sysconfig.get_paths()['purelib'])"
 	echo "$(TORCH_SPEC)" > $(STAMP)
 
 run: $(STAMP)

@@ -5,7 +5,7 @@
 
 That machine has python3 with CUDA torch, numpy, pyarrow, safetensors, tokenizers, transformers
 and pytest, and nothing else: no ray, hydra, omegaconf, mlflow or boto3, maybe no `make`, no
-network, and minutes of time. Everything here needs only those (tests/test_gpu_machine_env.py
+network, and minutes of time. Everything here needs only those (tests/benchmarks/test_gpu_machine_env.py
 runs this module and tests/gpu in a venv holding just them, in CI).
 
 Stages, in order; each runs in its own process under its own time limit, and writes its result

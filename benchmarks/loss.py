@@ -10,7 +10,7 @@ trainer/step.py's train_step (TorchPeer), with the loss from the whole logits (c
 chunked. Each memory contestant runs in its own subprocess, so no contestant inherits another's
 heap: glibc's mmap threshold is fixed at 64 KiB there, so every tensor above it is its own
 mapping, returned to the OS when freed, and the resident set follows the live tensors (the
-method of tests/test_plan.py). Per step: the rise of the resident set from just before the step
+method of tests/plan/test_plan.py). Per step: the rise of the resident set from just before the step
 to its high-water mark during it (VmHWM, cleared first via /proc/self/clear_refs) after a
 warm-up step (AdamW's state exists), and, for one more step, the peak of the bytes torch's ops
 allocate as trainer/plan's AllocationTracker counts them (every storage an op creates until it

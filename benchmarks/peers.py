@@ -1,7 +1,7 @@
 """The references our engine is measured and tested against, in one home: torch FSDP2 wrapped into
 the units our transformer_policy makes, torch DDP, and torch's AdamW grouped as
 trainer/optim.py groups ours. benchmarks/engine.py, benchmarks/gpu_check.py, tests/fsdp and
-tests/test_chunked_loss.py all take them from here, so "FSDP2" means one thing everywhere.
+tests/trainer/test_chunked_loss.py all take them from here, so "FSDP2" means one thing everywhere.
 
     model = build_model(cfg, device="cpu", seed=SEED)
     units = fsdp2(model, param_dtype=torch.bfloat16)      # fully_shard, torchtitan's units

@@ -14,7 +14,10 @@ group. Hydra stops at `to_job_config`: nothing below it sees a DictConfig.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import sys
+import typing
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -75,6 +78,55 @@ def _hf_model(path: str) -> dict:
     return dataclasses.asdict(resolve_model(ModelConfig(name="hf", hf_path=path)))
 
 
+def unknown_key(prefix: str, key: str, valid: list[str]) -> ConfigError:
+    """The error of a key `prefix + key` that the schema does not have: the closest valid key
+    first ("did you mean"), then every valid key of its section."""
+    section = prefix.rstrip(".") or "the top level"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    return ConfigError(
+        f"invalid config: unknown key {prefix}{key}{hint}; valid keys of {section}: "
+        f"{', '.join(valid)}"
+    )
+
+
+GROUPS = ("model", "sharding", "optim", "data", "cluster", "tracking")
+"""conf/'s config groups: `group=option` picks a file (or a model preset), not a key."""
+
+
+def check_override_keys(overrides: list[str], own: tuple[str, ...] = ()) -> None:
+    """Each `key=value` on the command line (also `+key`, `++key`, `~key`) names a key of the
+    schema, or a ConfigError names the closest one, before Hydra composes anything (Hydra's own
+    answer to `train.stpes=10` is advice to append it with `+`). Options (-m, --cfg ...), group
+    choices (`sharding=no_shard`), hydra.* and sweep.* keys, and a command's `own` keys pass;
+    inside a map of the user's keys (sharding.modules) any key passes."""
+    for arg in overrides:
+        key, sep, _ = arg.partition("=")
+        key = key.lstrip("+~")
+        if arg.startswith("-") or not sep or key in GROUPS or key in own:
+            continue
+        if key.split(".")[0] in ("hydra", "sweep"):
+            continue
+        schema, prefix = JobConfig, ""
+        for part in key.split("."):
+            fields = {f.name: f for f in dataclasses.fields(schema)}
+            if part not in fields:
+                raise unknown_key(prefix, part, list(fields))
+            hint = typing.get_type_hints(schema)[part]
+            if not dataclasses.is_dataclass(hint):
+                break  # a value (or a map whose keys the user chooses)
+            schema, prefix = hint, f"{prefix}{part}."
+
+
+def overrides_or_exit(overrides: list[str]) -> None:
+    """check_override_keys, or the error line and exit 2 (nothing has started)."""
+    try:
+        check_override_keys(overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def to_job_config(dictcfg: DictConfig) -> JobConfig:
     """The composed DictConfig as plain dataclasses; Hydra stops here and nothing below sees it.
 
@@ -106,11 +158,7 @@ def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in node.keys():
         if key not in fields:
-            section = prefix.rstrip(".") or "the top level"
-            raise ConfigError(
-                f"invalid config: unknown key {prefix}{key}; valid keys of "
-                f"{section}: {', '.join(fields)}"
-            )
+            raise unknown_key(prefix, str(key), list(fields))
         child = node._get_node(key)
         if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
             check_known_keys(child, OmegaConf.get_type(child), f"{prefix}{key}.")

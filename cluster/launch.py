@@ -54,6 +54,7 @@ def connect(cluster: ClusterConfig) -> None:
     port = free_port()
     set_api_server(f"http://127.0.0.1:{port}")
     ray.init(num_cpus=local_num_cpus(cluster), include_dashboard=True, dashboard_port=port)
+    print(f"ray: started a local Ray for this job (dashboard http://127.0.0.1:{port})", flush=True)
 
 
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"

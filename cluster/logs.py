@@ -20,6 +20,10 @@ warning or error. What it leaves out unless `cluster.verbose=true`:
 - The lines of Ray Train's PlacementGroupCleaner actor (a detached helper that polls the State
   API every second and warns whenever it cannot): they stay in Ray's session logs
   (<ray temp dir>/session_latest/logs/worker-*.err).
+- Ray's "INFO worker.py -- Started a local Ray instance" record: the driver says it in its own
+  words once Ray is up (cluster/launch.py, `ray: started a local Ray ...`).
+- The "(RayTrainWorker pid=...)" prefix Ray puts before every line it forwards from a worker:
+  the step lines are rank 0's own, and say so. Lines of other actors keep their prefix.
 
 When stdout is not a terminal (a pipe, a file, `ray job submit`'s log) nothing carries ANSI
 colour codes: Ray's "(RayTrainWorker pid=...)" prefixes (RAY_COLOR_PREFIX=0), its "Started a
@@ -96,11 +100,15 @@ def quiet_ray_driver(verbose: bool) -> None:
     """Before ray.init in the driver: leave out Ray's note that it enabled token auth, and the
     PlacementGroupCleaner's lines Ray forwards from its actor (`Tee`)."""
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    started = logging.getLogger(RAY_STARTED_LOGGER)
     if verbose:
         logger.removeFilter(TOKEN_AUTH_NOTE)
+        started.removeFilter(RAY_STARTED_NOTE)
     else:
         logger.addFilter(TOKEN_AUTH_NOTE)
+        started.addFilter(RAY_STARTED_NOTE)
     _Hidden.helpers = () if verbose else HIDDEN_HELPERS
+    _Hidden.worker_prefix = None if verbose else WORKER_PREFIX
 
 
 class PlainText(logging.Filter):
@@ -115,6 +123,24 @@ class PlainText(logging.Filter):
 
 PLAIN_TEXT = PlainText()
 RAY_STARTED_LOGGER = "ray._private.worker"  # "Started a local Ray instance. View the dashboard"
+
+
+class _Without(logging.Filter):
+    """Leaves out the records whose message starts with `start`."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+RAY_STARTED_NOTE = _Without("Started a local Ray instance")
+WORKER_PREFIX = re.compile(
+    r"^(\x1b\[[0-9;]*m)?\(RayTrainWorker pid=\d+(, ip=[^)]*)?\)(\x1b\[0m)? ", re.M
+)
+"""Ray's prefix of a line forwarded from a Ray Train worker (coloured on a terminal)."""
 
 
 def plain_ray_console(stream: Optional[TextIO] = None) -> bool:
@@ -158,6 +184,7 @@ docstring says why)."""
 
 class _Hidden:
     helpers: tuple[str, ...] = HIDDEN_HELPERS
+    worker_prefix: Optional[re.Pattern] = WORKER_PREFIX
 
 
 def _hidden_helper(text: str) -> bool:
@@ -225,13 +252,27 @@ class Tee:
                 self.skip_newline = False
                 if text == "\n":
                     return 1
+            text = self._unprefixed(text)
             shown = self._prefixed(text) if self.prefix else text
+            if not self.prefix:
+                self.at_line_start[0] = text.endswith(("\n", "\r"))
             self.console.write(shown)
             if self.file is not None:
                 self.file.write(ANSI.sub("", shown))
                 if "\n" in text:
                     self.file.flush()
         return len(text)
+
+    def _unprefixed(self, text: str) -> str:
+        """`text` without Ray's "(RayTrainWorker pid=...)" at the start of its lines (a quiet
+        run), the first piece only when it starts a line."""
+        pattern = _Hidden.worker_prefix
+        if pattern is None:
+            return text
+        if self.at_line_start[0]:
+            return pattern.sub("", text)
+        head, newline, rest = text.partition("\n")
+        return head + newline + pattern.sub("", rest) if newline else text
 
     def _prefixed(self, text: str) -> str:
         out = []

@@ -37,7 +37,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.compose import register_schemas, to_job_config
+from cluster.compose import check_override_keys, register_schemas, to_job_config
 from cluster.config import ConfigError, JobConfig
 from trainer.plan import Costs, format_options, format_recommendation, options, plan, recommend
 from trainer.plan.choose import best_per_levers
@@ -94,6 +94,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         own, overrides = split_args(argv)
+        check_override_keys(overrides)
         cfg = compose_job(overrides)
     except (ConfigError, OmegaConfBaseException, HydraException) as e:
         cause = f": {str(e.__cause__).splitlines()[0]}" if e.__cause__ else ""

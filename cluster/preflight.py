@@ -139,6 +139,24 @@ def check_resume_model(cfg: JobConfig) -> None:
         return
 
 
+def already_complete(cfg: JobConfig) -> Optional[str]:
+    """What to say, before anything starts, when the run's newest committed checkpoint has
+    trained every step asked for (a second `make run`): it is complete, and what to change to
+    train more (more steps: it resumes there) or afresh (a new run name). None otherwise."""
+    from trainer.checkpoint import list_checkpoints  # noqa: PLC0415 -- torch: after the values
+
+    newest = next((i for i in list_checkpoints(cfg.checkpoint_root) if not i.problem), None)
+    if newest is None or newest.step < cfg.train.steps:
+        return None
+    name = cfg.cluster.run_name
+    return (
+        f"run '{name}' is complete: its checkpoint of step {newest.step} ({newest.path}) has "
+        f"trained train.steps={cfg.train.steps}; nothing was started. To train on from it, "
+        f"raise train.steps (e.g. train.steps={newest.step + cfg.train.steps}); to start over, "
+        f"give a new run name (e.g. cluster.run_name={name}-2)."
+    )
+
+
 def is_uri(path: str) -> bool:
     """True for pyarrow.fs URIs (s3://, gs://, file://...), which are left as they are."""
     return "://" in path

@@ -28,7 +28,7 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.compose import register_schemas
+from cluster.compose import overrides_or_exit, register_schemas
 from cluster.config import ConfigError, JobConfig
 from cluster.launch import connect_largest
 from cluster.preflight import checked_config
@@ -121,4 +121,5 @@ def hydra_main(dictcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    overrides_or_exit(sys.argv[1:])
     hydra_main()

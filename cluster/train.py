@@ -33,12 +33,12 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from cluster.address import joins_cluster
-from cluster.compose import register_schemas
+from cluster.compose import overrides_or_exit, register_schemas
 from cluster.config import ConfigError, JobConfig, job_to_dict
 from cluster.job_slot import JobSlot, current_slot, sweep_run_name
 from cluster.launch import build_trainer, connect_for_jobs, ray_job_tags
 from cluster.logs import quiet_libraries, tee_to_job_log, wait_for_workers_output
-from cluster.preflight import checked_config, preflight
+from cluster.preflight import already_complete, checked_config, preflight
 from cluster.run.fatal import fatal_error
 from cluster.run.layout import run_folder
 from cluster.run.lease import LeaseHeld, LeaseLost, RunLease, ray_identity
@@ -75,6 +75,10 @@ def run_job(dictcfg: DictConfig, slot: Optional[JobSlot]) -> Optional[dict]:
     launch_dir = os.getcwd()  # hydra.job.chdir is false: this is where the user launched
     out_dir = HydraConfig.get().runtime.output_dir  # this job's Hydra outputs
     cfg = config_or_exit(dictcfg, launch_dir, slot)  # every bad value stops here
+    complete = already_complete(cfg)  # a second `make run`: nothing to train, no empty run
+    if complete:
+        print(complete)
+        return None
     quiet_libraries(cfg.cluster.verbose)  # the workers do the same (cluster/worker.py)
     startup.done("config")
     joins = joins_cluster(cfg.cluster)
@@ -225,7 +229,9 @@ def adopt_run(cfg: JobConfig, lease: RunLease, run_id: Optional[str]) -> None:
 
 
 def main() -> None:
-    """Console script `elastic-fsdp-train`; Hydra reads the overrides from sys.argv."""
+    """Console script `elastic-fsdp-train`; Hydra reads the overrides from sys.argv, once each
+    key is known to exist (a typo gets "did you mean", not Hydra's advice to add it with +)."""
+    overrides_or_exit(sys.argv[1:])
     hydra_main()
 
 

@@ -50,7 +50,9 @@ class OptimConfig:
     warmup_steps: int = 10
     """Linear warmup steps."""
     weight_decay: float = 0.1
-    """Decoupled weight decay on matrices (not on norms, biases or embeddings' gains)."""
+    """Decoupled weight decay on every tensor of two or more dimensions: the linear layers'
+    weights and the token embedding (as nanoGPT and Hugging Face's Trainer do); none on the
+    norms' gains and the biases (one dimension)."""
     beta1: float = 0.9
     """AdamW's first-moment decay."""
     beta2: float = 0.95

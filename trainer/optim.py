@@ -37,7 +37,7 @@ STREAMS = {"param": 1, "exp_avg": 2, "exp_avg_sq": 3}
 
 
 def build_optimizer(model: FSDPModel, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
-    """AdamW over the flat shards, weight decay on matrices only: the fused implementation on
+    """AdamW over the flat shards, weight decay on tensors of 2+ dimensions: the fused one on
     CUDA and the CPU (the host, with sharding.offload=optimizer: one kernel for every shard of a
     group), the multi-tensor (foreach) one elsewhere. With bf16 moments or a bf16 master, ours
     (`AdamW`); `seed` keys its stochastic rounding."""

@@ -145,7 +145,7 @@ def finish_tracking(
     uri = cfg.tracking.tracking_uri
     stats = None
     try:
-        stats = log_summary(uri, run_id)
+        stats = log_summary(uri, run_id, ranked=slot is not None)
         set_note(uri, run_id, run_note(cfg, slot, stats, ok))
     except Exception as e:  # never hide the training's own outcome behind a summary error
         print(f"mlflow: summary not logged ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
@@ -172,11 +172,13 @@ def finish_tracking(
         end_run(uri, run_id, ok=ok)
 
 
-def log_summary(tracking_uri: str, run_id: str) -> Optional[RunStats]:
+def log_summary(tracking_uri: str, run_id: str, ranked: bool = False) -> Optional[RunStats]:
     """summary/* metrics and the summary/too_short tag of a run, from its own per-step history:
     one value per key, so MLflow's runs table, Compare, scatter and parallel-coordinates plots
-    show the medians a strategy is chosen by. Warns when the run is too short or too noisy to
-    rank strategies. None (nothing logged) when the run logged no step."""
+    show the medians a strategy is chosen by. `ranked` (a sweep's job: its runs are ranked):
+    warns when the run is too short or too noisy to rank strategies; a single run is ranked
+    against nothing, so it only carries the tag (the report warns where it ranks). None
+    (nothing logged) when the run logged no step."""
     steps = metric_history(tracking_uri, run_id, "perf/step_ms")
     if not steps:
         print("mlflow: no summary (the run logged no step)", flush=True)
@@ -187,7 +189,7 @@ def log_summary(tracking_uri: str, run_id: str) -> Optional[RunStats]:
     logger.set_tags(stats.tags())
     print(f"summary: {describe(stats)}", flush=True)
     reason = stats.too_short()
-    if reason:
+    if reason and ranked:
         print(
             f"warning: run {run_id} is too short or too noisy to rank strategies ({reason}); "
             "measure more steps (train.steps), on a machine doing nothing else, before choosing",
@@ -235,7 +237,7 @@ def run_note(cfg: JobConfig, slot: Optional[JobSlot], stats: Optional[RunStats],
         "",
     ]
     reason = stats.too_short()
-    if reason:
+    if reason and slot is not None:  # a sweep's job is ranked; a single run against nothing
         lines.append(f"**Too short to rank strategies**: {reason}.")
     if not ok:
         lines.append("**The run failed**: the figures are of the steps it logged.")

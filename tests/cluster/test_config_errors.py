@@ -13,7 +13,7 @@ from cluster.config import ConfigError
 from cluster.preflight import checked_config
 from tests.cluster.conftest import run_cli
 
-NOTHING_STARTED_MARKERS = ("Started a local Ray instance", "mlflow: run")
+NOTHING_STARTED_MARKERS = ("started a local Ray for this job", "mlflow: run")
 
 
 def assert_failed_before_start(result, launch_dir, *expected: str) -> None:
@@ -99,3 +99,11 @@ def test_a_module_pattern_that_names_no_unit_fails_naming_the_units(launch_dir):
     assert_failed_before_start(
         result, launch_dir, "'layer.*' names no unit", "layers.0 .. layers.", "(layers.*)"
     )
+
+
+def test_a_typo_in_a_key_gets_the_closest_key_at_once_not_hydras_advice_to_add_it(launch_dir):
+    for override in ("train.stpes=10", "+train.stpes=10"):
+        result = run_cli(launch_dir, override)
+        assert_failed_before_start(result, launch_dir, "unknown key train.stpes")
+        assert "(did you mean train.steps?)" in result.output
+        assert "To append to your config use" not in result.output  # Hydra's advice, not ours

@@ -135,4 +135,4 @@ def test_a_tokenizer_without_a_chat_template_stops_before_ray_starts(tmp_path):
     )  # fmt: skip
     assert result.returncode != 0
     assert "data.chat_template" in result.output, result.output[-3000:]
-    assert "Started a local Ray instance" not in result.output
+    assert "started a local Ray for this job" not in result.output

@@ -66,7 +66,7 @@ def assert_one_error_before_ray(result) -> str:
     assert result.returncode == 2, result.output[-4000:]
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output[-4000:]
-    assert "Started a local Ray instance" not in result.output
+    assert "started a local Ray for this job" not in result.output
     return errors[0]
 
 

@@ -85,7 +85,7 @@ def assert_stopped_at_driver(result, launch_dir: Path, *expected: str) -> str:
         assert text in errors[0], f"{text!r} not in:\n{errors[0]}"
     assert "Traceback" not in out, out[-4000:]
     assert result.seconds < SECONDS_TO_ERROR, f"{result.seconds:.1f} s"
-    assert "Started a local Ray instance" not in out
+    assert "started a local Ray for this job" not in out
     assert not result.ray_started
     assert "mlflow: run" not in out
     assert not (launch_dir / "mlflow.db").exists()

@@ -14,8 +14,9 @@ pattern that no longer matches means the line is gone, not that the pattern went
     Matplotlib is building the font cache; this may take a moment.   (fresh MPLCONFIGDIR)
 
 The run's stdout is a pipe, as under `ray job submit` or `> log`: nothing in it carries an ANSI
-colour code (Ray coloured its "(RayTrainWorker pid=...)" prefixes and the dashboard URL of its
-"Started a local Ray instance" line), and Ray Train's PlacementGroupCleaner actor, which polled
+colour code (Ray coloured its "(RayTrainWorker pid=...)" prefixes, now left out, and the
+dashboard URL of its "Started a local Ray instance" line, now the driver's own "ray: started a
+local Ray for this job (dashboard ...)"), and Ray Train's PlacementGroupCleaner actor, which polled
 another Ray's State API on this busy machine and printed "Found multiple active Ray instances"
 and its warnings, is neither seen nor pointed at another Ray (cluster/launch.py gives the local
 Ray's workers its own dashboard address). The MLflow run names its Ray job and its commit.
@@ -128,7 +129,9 @@ def test_step_lines_and_summary_reach_the_console_and_the_hydra_log(healthy_run)
 def test_a_piped_run_prints_no_ansi_colour_code(healthy_run):
     _, lines = healthy_run
     assert matching(lines, re.compile("\x1b")) == []
-    assert matching(lines, re.compile(r"Started a local Ray instance\. View the dashboard at http"))
+    assert matching(lines, re.compile(r"^ray: started a local Ray for this job \(dashboard http"))
+    assert matching(lines, re.compile(r"^step \d+/\d+ \| loss")), "Ray's worker prefix left out"
+    assert matching(lines, re.compile(r"RayTrainWorker pid=|Started a local Ray instance")) == []
 
 
 def test_placement_group_cleaner_lines_stay_out_of_the_console(healthy_run):
@@ -157,6 +160,7 @@ def restored_loggers():
     for name, level in saved.items():
         logging.getLogger(name).setLevel(level)
     logging.getLogger(names[-1]).removeFilter(TOKEN_AUTH_NOTE)
+    quiet_ray_driver(verbose=False)  # the console filters back to a quiet run's
 
 
 def group_start_record(level: int = logging.INFO) -> logging.LogRecord:
@@ -235,11 +239,11 @@ def test_a_sweep_jobs_lines_carry_its_prefix_once_however_they_are_written():
     err.write("ing: x\n")
     expected = [
         "[job 2/4 sharding=no_shard] step 1/4 | loss 3.1",
-        "[job 2/4 sharding=no_shard] (RayTrainWorker pid=7) step 2/4",
+        "[job 2/4 sharding=no_shard] step 2/4",  # Ray's worker prefix left out (quiet)
         "[job 2/4 sharding=no_shard] warning: x",
     ]
-    assert file.getvalue().splitlines() == expected  # colours stripped in the file only
-    assert "\x1b[36m" in console.getvalue()
+    assert file.getvalue().splitlines() == expected
+    assert console.getvalue().splitlines() == expected
 
 
 def test_rank_0s_end_of_output_line_is_noted_not_shown():
@@ -259,7 +263,7 @@ def test_rank_0s_end_of_output_line_is_noted_not_shown():
     out.write("== done ==\n")
     assert wait_for_workers_output("launch-a", timeout_s=0.01)
     assert console.getvalue().splitlines() == [
-        "[job 1/2 x=1] (RayTrainWorker pid=7) step 3/3 | loss 1.0",
+        "[job 1/2 x=1] step 3/3 | loss 1.0",
         "[job 1/2 x=1] == done ==",
     ]
 
@@ -276,6 +280,7 @@ def test_ray_colours_are_turned_off_only_when_stdout_is_not_a_terminal(monkeypat
     for name in ("RAY_COLOR_PREFIX", "RAY_DATA_DISABLE_PROGRESS_BARS"):
         monkeypatch.delenv(name, raising=False)
     logger = logging.getLogger(RAY_STARTED_LOGGER)
+    quiet_ray_driver(verbose=True)  # Ray's own line shows (a quiet run says it in its own words)
     assert not plain_ray_console(Terminal())
     assert "RAY_COLOR_PREFIX" not in os.environ and PLAIN_TEXT not in logger.filters
     try:
@@ -297,6 +302,7 @@ def test_ray_colours_are_turned_off_only_when_stdout_is_not_a_terminal(monkeypat
         )
     finally:
         logger.removeFilter(PLAIN_TEXT)
+        quiet_ray_driver(verbose=False)
 
 
 def test_placement_group_cleaner_lines_are_left_out_unless_verbose(restored_loggers):
@@ -312,8 +318,10 @@ def test_placement_group_cleaner_lines_are_left_out_unless_verbose(restored_logg
     out.write(cleaner)
     out.write("\n")
     out.write("(RayTrainWorker pid=7) step 1/4 | loss 3.1\n")
-    assert console.getvalue() == "(RayTrainWorker pid=7) step 1/4 | loss 3.1\n"
+    assert console.getvalue() == "step 1/4 | loss 3.1\n"  # a quiet run: the project's line
     quiet_ray_driver(verbose=True)
     out.write(cleaner + "\n")
     assert console.getvalue().endswith(cleaner + "\n")
+    out.write("(RayTrainWorker pid=7, ip=10.0.0.2) step 2/4 | loss 3.0\n")  # verbose: as Ray
+    assert console.getvalue().endswith("(RayTrainWorker pid=7, ip=10.0.0.2) step 2/4 | loss 3.0\n")
     quiet_ray_driver(verbose=False)

@@ -66,7 +66,7 @@ PER_STEP_METRICS = (
     "mem/optim_state_bytes",
     "mem/peak_total_bytes",
 )
-NOTHING_STARTED_MARKERS = ("Started a local Ray instance", "mlflow: run", "mlflow: sweep parent")
+NOTHING_STARTED_MARKERS = ("started a local Ray for this job", "mlflow: run", "mlflow: sweep parent")
 
 
 def run_train(launch_dir: Path, *args: str, timeout: float) -> CliResult:
@@ -116,7 +116,7 @@ def test_sweep_is_one_parent_run_with_one_child_per_strategy(sweep):
     assert parent.data.tags["sweep.keys"] == "sharding"
     assert parent.data.params["model.n_layers"] == "2"  # shared by every job
     assert "sharding.strategy" not in parent.data.params  # swept: each child has its own
-    assert output.count("Started a local Ray instance") == 1  # one Ray for the whole sweep
+    assert output.count("started a local Ray for this job") == 1  # one Ray for the whole sweep
 
 
 def test_every_line_of_a_job_says_which_job_it_is(sweep):

@@ -90,3 +90,19 @@ def test_mlflow_has_the_run_with_params_and_a_falling_loss(finished_run):
         assert len(client.get_metric_history(run.info.run_id, key)) == STEPS, key
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "resolved_config.yaml" in artifacts
+
+
+def test_running_a_complete_run_again_says_so_at_once_and_opens_no_mlflow_run(finished_run):
+    """A second `make run`: the run's newest checkpoint has every step asked for. It says so
+    and what to change, in seconds, without Ray or a new (empty) MLflow run."""
+    launch_dir, _ = finished_run
+    args = [f"train.steps={STEPS}", "train.global_batch_size=8", "data.max_bytes=2000000"]
+    args += ["data.seq_len=64", "cluster.run_name=e2e", "tracking.experiment=e2e"]
+    again = run_cli(launch_dir, *args, timeout=60)
+    assert again.returncode == 0, again.output[-3000:]
+    assert f"run 'e2e' is complete: its checkpoint of step {STEPS}" in again.output
+    assert f"train.steps={2 * STEPS}" in again.output and "cluster.run_name=e2e-2" in again.output
+    assert "started a local Ray" not in again.output and "mlflow: run" not in again.output
+    client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
+    experiment = client.get_experiment_by_name("e2e")
+    assert len(client.search_runs([experiment.experiment_id])) == 1

@@ -196,7 +196,7 @@ def test_job_joined_the_head_on_loopback_instead_of_starting_its_own_ray(job):
     assert f"Connecting to existing Ray cluster at address: {job.head.gcs_address}" in job.output, (
         job.output[-6000:]
     )
-    assert "Started a local Ray instance" not in job.output
+    assert "started a local Ray for this job" not in job.output
 
 
 def test_head_refuses_clients_without_its_token_and_the_users_token_is_untouched(job):

@@ -42,7 +42,7 @@ from .planning import UNIT_BYTES as UNIT_BYTES  # re-exported: tests/data/test_c
 from .planning import Plan, WorkUnit, plan_preparation
 from .planning import on_ray_data as on_ray_data  # re-exported: cluster/
 from .sources import Counts
-from .units import _held_out as _held_out  # re-exported: tests/test_loop.py
+from .units import _held_out as _held_out  # re-exported: tests/trainer/test_loop.py
 from .units import process_unit
 
 

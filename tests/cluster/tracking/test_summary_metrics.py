@@ -111,9 +111,11 @@ def test_a_run_without_mfu_or_eval_logs_neither(store):
     assert metrics["Summary/step_ms_median"] == 100.0
 
 
-def test_a_short_run_is_tagged_too_short_with_a_warning(store, capsys):
+def test_a_short_run_is_tagged_too_short_and_warned_of_only_where_runs_are_ranked(store, capsys):
     run_id = log_history(store, [900.0, 800.0, 100.0, 100.0, 100.0])
-    log_summary(store, run_id)
+    log_summary(store, run_id)  # a single run: ranked against nothing, nothing to warn of
+    assert "too short" not in capsys.readouterr().err
+    log_summary(store, run_id, ranked=True)  # a sweep's job
     metrics, tags = summary_of(store, run_id)
     assert (metrics["Summary/steps_warmup"], metrics["Summary/steps_measured"]) == (2.0, 3.0)
     assert metrics["Summary/step_ms_median"] == 100.0  # the two slow ones were the warm-up
@@ -126,7 +128,7 @@ def test_a_short_run_is_tagged_too_short_with_a_warning(store, capsys):
 
 def test_a_noisy_run_is_tagged_too_short_naming_its_spread(store, capsys):
     run_id = log_history(store, [100.0, 200.0] * 10)  # p10 100, p90 200: 100% of the median
-    log_summary(store, run_id)
+    log_summary(store, run_id, ranked=True)
     metrics, tags = summary_of(store, run_id)
     assert metrics["Summary/steps_measured"] == 17.0
     assert tags["Summary/too_short"] == "true"
