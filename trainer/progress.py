@@ -20,6 +20,19 @@ from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLogger, print0, step_metrics
 from trainer.optim import lr_at
 
+GLANCE = "At a glance/"
+"""The headline section of a run's page in the MLflow UI: the UI groups charts by the prefix before
+the last '/', sorts the sections first by code point, then (whenever a new key appears, e.g. the
+summary's loss image at the end) case-blind; "At a glance" comes before every other section in
+both orders (comm, data, ..., Summary, train, ...), so a run's page opens on its loss and its
+speed, during training and after."""
+GLANCE_KEYS = {"train/loss": "loss", "eval/loss": "loss_eval", "perf/tokens_per_s": "tokens_per_s"}
+
+
+def at_a_glance(m: dict) -> dict:
+    """The headline copies of this step's loss, eval loss and tokens/s (those it has)."""
+    return {GLANCE + short: m[key] for key, short in GLANCE_KEYS.items() if key in m}
+
 
 class StepReport:
     """The step line and the step's metrics (to MLflow through `logger`, rank 0's)."""
@@ -86,6 +99,7 @@ class StepReport:
         if after_step is not None:
             m.update(after_step(step - 1, m) or {})
         m.update(memory_metrics(self.device))
+        m.update(at_a_glance(m))
         print0(self.line(step, loss, norm, m, evaluated))
         self.logger.log_metrics(m, step=step)  # "step N": N optimizer steps done, everywhere
         self._since = (time.perf_counter(), step)

@@ -185,7 +185,7 @@ def log_summary(tracking_uri: str, run_id: str, ranked: bool = False) -> Optiona
         return None
     stats = run_stats(lambda key: metric_history(tracking_uri, run_id, key))
     logger = MLflowLogger(tracking_uri, run_id)
-    logger.log_metrics(stats.metrics(), step=steps[-1][0])
+    logger.log_metrics(stats.metrics(), step=0)  # one value each: a bar in the UI, not a dot
     logger.set_tags(stats.tags())
     print(f"summary: {describe(stats)}", flush=True)
     reason = stats.too_short()
@@ -201,7 +201,7 @@ def log_summary(tracking_uri: str, run_id: str, ranked: bool = False) -> Optiona
 
 def log_plot_image(tracking_uri: str, run_id: str, png: str, key: str, step: int) -> None:
     """A PNG as an MLflow image keyed `key`: the run's Model metrics tab shows it in the
-    section of its prefix (Summary: the first)."""
+    section of its prefix."""
     from mlflow.tracking import MlflowClient  # noqa: PLC0415 -- mlflow costs seconds to import
     from PIL import Image  # noqa: PLC0415 -- only to log a plot (MLflow's own dependency)
 
@@ -242,7 +242,8 @@ def run_note(cfg: JobConfig, slot: Optional[JobSlot], stats: Optional[RunStats],
     if not ok:
         lines.append("**The run failed**: the figures are of the steps it logged.")
     lines.append(
-        f"Metrics {SUMMARY}* (the first chart section); plot loss_curve.png; the whole config "
+        f"Loss and tokens/s per step: the 'At a glance' charts; the figures above: {SUMMARY}*; "
+        "plot loss_curve.png; the whole config "
         "resolved_config.yaml (Artifacts)."
     )
     return "\n".join(lines) + "\n"

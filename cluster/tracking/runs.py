@@ -18,13 +18,15 @@ CLI refuses a bad config, or runs with tracking off, without paying for it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from cluster.config import JobConfig, flatten
+from cluster.config import ClusterConfig, JobConfig, flatten
 from cluster.tracking.source import source_tags
 from trainer.metrics import MLflowLogger
 
@@ -126,7 +128,7 @@ def create_run(
     all_tags = {**run_tags(cfg), **{k: str(v) for k, v in (tags or {}).items()}}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(experiment_id, run_name=run_name or cfg.cluster.run_name, tags=all_tags)
+    run = client.create_run(experiment_id, run_name=run_name or display_name(cfg), tags=all_tags)
     MLflowLogger(tracking_uri, run.info.run_id).log_params(compared_params(cfg, params_also))
     return run.info.run_id
 
@@ -167,16 +169,59 @@ def artifact_root(tracking_uri: str) -> Optional[str]:
 def _experiment_id(client, name: str, artifact_location: Optional[str]) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
+        if VIEW_TAG not in experiment.tags:  # an experiment of an older launcher
+            client.set_experiment_tag(experiment.experiment_id, VIEW_TAG, saved_view())
         return experiment.experiment_id
     try:
         return client.create_experiment(
-            name, artifact_location=artifact_location, tags=EXPERIMENT_KIND
+            name,
+            artifact_location=artifact_location,
+            tags={**EXPERIMENT_KIND, VIEW_TAG: saved_view()},
         )
     except Exception:  # another launcher created it between our get and create
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             raise
         return experiment.experiment_id
+
+
+def display_name(cfg: JobConfig) -> str:
+    """A run's name in MLflow's runs list, what tells launches apart first (the column shows
+    about 20 characters): "FULL_SHARD x2 · tiny cpu", then the run's own name when the user
+    chose one ("... · qwen-sft"). cluster.run_name stays the run folder's name (the
+    checkpoint_root tag); a sweep's jobs are named by the values they sweep instead."""
+    lo, hi = cfg.cluster.world_sizes
+    world = str(hi) if lo == hi else f"{lo}-{hi}"
+    model = Path(cfg.model.hf_path).name if cfg.model.hf_path else cfg.model.name
+    name = f"{cfg.sharding.strategy} x{world} · {model} {'cuda' if cfg.cluster.use_gpu else 'cpu'}"
+    if cfg.cluster.run_name != ClusterConfig().run_name:
+        name += f" · {cfg.cluster.run_name}"
+    return name
+
+
+VIEW_KEY = "elastic-fsdp"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+"""MLflow 3's saved view of an experiment's runs list (its "Views" menu; opened by the
+`viewStateShareKey` the printed experiment URL carries): the list shows no metric by default,
+this view shows each run's final loss, speed, memory, strategy and world size."""
+VIEW_COLUMNS = (
+    "metrics.`Summary/final_loss`",
+    "metrics.`Summary/tokens_per_s_median`",
+    "metrics.`Summary/step_ms_median`",
+    "metrics.`Summary/peak_memory_gib`",
+    "params.`sharding.strategy`",
+    "tags.`world_size`",
+)
+
+
+def saved_view() -> str:
+    """The VIEW_TAG value: MLflow's shared view state (name, times, the state as a JSON string)."""
+    now = int(time.time() * 1000)
+    state = {"selectedColumns": list(VIEW_COLUMNS), "orderByKey": "attributes.start_time"}
+    state["orderByAsc"] = False
+    return json.dumps(
+        {"name": "Loss and speed", "createdAt": now, "updatedAt": now, "state": json.dumps(state)}
+    )
 
 
 def run_tags(cfg: JobConfig) -> dict[str, str]:
@@ -237,7 +282,8 @@ def ui_url(tracking_uri: str, experiment_id: str, run_id: Optional[str] = None) 
     remote = "://" in tracking_uri and not tracking_uri.startswith(("sqlite:", "file:"))
     base = tracking_uri.rstrip("/") if remote else "http://127.0.0.1:5000"
     page = f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
-    return f"{base}/{page}?workflowType=machine_learning"
+    view = "" if run_id else f"&viewStateShareKey={VIEW_KEY}"  # the runs list with its columns
+    return f"{base}/{page}?workflowType=machine_learning{view}"
 
 
 def experiment_of(tracking_uri: str, run_id: str) -> str:

@@ -5,9 +5,10 @@ the logged steps after a warm-up, from the run's own per-step metric history.
     stats.metrics()          # {"Summary/tokens_per_s_median": ..., ...}: what finish_tracking logs
     stats.too_short()        # None, or why the run cannot rank strategies
 
-The prefix is `Summary/`, capitalised on purpose: the MLflow UI draws a run's charts in one
-section per prefix, sorted by code point, so `Summary` comes before every lower-case section of
-the loop and the engine (comm/, data/, mem/, perf/, train/), and a run's charts open on them.
+The prefix is `Summary/`. (The MLflow UI draws a run's charts in one section per prefix and, once
+any key arrives after its first layout, sorts the sections case-blind, so Summary is not first:
+the run page opens on the loop's "At a glance" section, trainer/progress.py.) Summary/* values
+are logged at step 0, one each: the UI draws them as bars.
 
 The same numbers feed the sweep report (cluster/report.py), so the runs table of MLflow and the
 report always agree. Nothing here imports MLflow: a history is any function of a metric key.
@@ -31,7 +32,7 @@ MAX_SPREAD = 0.20
 """A step-time p10-p90 spread wider than this fraction of its median: too noisy to rank."""
 GiB, MiB = 2**30, 2**20
 SUMMARY = "Summary/"
-"""The prefix of a run's summary metrics and tags (the first chart section in the MLflow UI)."""
+"""The prefix of a run's summary metrics and tags."""
 
 History = Callable[[str], Sequence[tuple[int, float]]]
 """[(step, value)] of one metric key, sorted by step (cluster.tracking.runs.metric_history)."""

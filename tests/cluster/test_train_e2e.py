@@ -106,3 +106,16 @@ def test_running_a_complete_run_again_says_so_at_once_and_opens_no_mlflow_run(fi
     client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
     experiment = client.get_experiment_by_name("e2e")
     assert len(client.search_runs([experiment.experiment_id])) == 1
+
+
+def test_the_run_page_opens_on_loss_and_speed_and_the_run_has_a_telling_name(finished_run):
+    """MLflow's run page sorts chart sections by prefix: 'At a glance' (loss, tokens/s per
+    step) comes first; the runs list tells launches apart by name (issue 35)."""
+    launch_dir, _ = finished_run
+    client = MlflowClient(f"sqlite:///{launch_dir}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    assert run.info.run_name == "FULL_SHARD x2 · tiny cpu · e2e"
+    for glance, key in (("loss", "train/loss"), ("tokens_per_s", "perf/tokens_per_s")):
+        ours = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        headline = client.get_metric_history(run.info.run_id, f"At a glance/{glance}")
+        assert sorted((m.step, m.value) for m in headline) == sorted(ours) and len(ours) == STEPS

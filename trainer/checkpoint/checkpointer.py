@@ -153,8 +153,6 @@ def trainer_state(
         loss=float(loss) if loss is not None and math.isfinite(loss) else None,
         tokens_seen=step * cfg.train.global_batch_size * cfg.data.seq_len,
         hf_special_ids=hf_special_ids,
-        master_dtype=str(cfg.sharding.master_dtype),
-        optim_state_dtype=str(cfg.optim.state_dtype),
     )
 
 

@@ -91,11 +91,6 @@ class TrainerState:
     """The mean token loss of the last step trained (for `inspect`; None when unknown)."""
     tokens_seen: Optional[int] = _key("int", None, lo=0, null=True)
     """Training tokens consumed up to this step: step x global batch x sequence length."""
-    master_dtype: Optional[str] = _key("string", None, null=True)
-    """sharding.master_dtype of the run that saved (float32 or bfloat16; None: saved before the
-    key existed, float32). The chunk table holds each tensor's own dtype; any run loads any."""
-    optim_state_dtype: Optional[str] = _key("string", None, null=True)
-    """optim.state_dtype of the run that saved (AdamW's moments; None: float32)."""
 
     @staticmethod
     def kinds() -> dict[str, Kind]:

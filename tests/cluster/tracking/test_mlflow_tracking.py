@@ -61,10 +61,31 @@ def test_run_params_are_the_compared_keys_and_the_job_is_in_tags(store):
     assert len(run.data.params) < 30  # not the ~100 keys of the whole config
     assert run.data.tags["strategy"] == "SHARD_GRAD_OP"
     assert (run.data.tags["world_size"], run.data.tags["device"]) == ("2", "cpu")
-    assert run.info.run_name == cfg.cluster.run_name
+    # the runs list tells launches apart by what differs first (issue 35: two identical rows)
+    assert run.info.run_name == "SHARD_GRAD_OP x2 · tiny cpu"
     experiment = MlflowClient(store).get_experiment(run.info.experiment_id)
     assert experiment.name == "params-test"
     assert create_run(cfg, store) != run_id  # same experiment, a new run
+    cfg.cluster.run_name, cfg.cluster.min_workers, cfg.cluster.max_workers = "qwen-sft", 2, 8
+    named = MlflowClient(store).get_run(create_run(cfg, store))
+    assert named.info.run_name == "SHARD_GRAD_OP x2-8 · tiny cpu · qwen-sft"
+
+
+def test_the_experiment_carries_a_runs_list_view_of_loss_speed_and_memory(store):
+    """MLflow 3's runs list shows no metric by default; the experiment's saved view (the printed
+    experiment URL opens it) shows each run's final loss, tokens/s, step time and memory."""
+    import json
+
+    from cluster.tracking.runs import VIEW_COLUMNS, VIEW_KEY, VIEW_TAG, ui_url
+
+    run_id = create_run(JobConfig(), store)
+    client = MlflowClient(store)
+    experiment = client.get_experiment(client.get_run(run_id).info.experiment_id)
+    view = json.loads(experiment.tags[VIEW_TAG])
+    assert view["name"] == "Loss and speed"
+    assert json.loads(view["state"])["selectedColumns"] == list(VIEW_COLUMNS)
+    assert ui_url(store, experiment.experiment_id).endswith(f"&viewStateShareKey={VIEW_KEY}")
+    assert "viewStateShareKey" not in ui_url(store, experiment.experiment_id, run_id)
 
 
 def test_child_run_points_at_its_parent(store):
