@@ -5,8 +5,9 @@
 
 That machine has python3 with CUDA torch, numpy, pyarrow, safetensors, tokenizers, transformers
 and pytest, and nothing else: no ray, hydra, omegaconf, mlflow or boto3, maybe no `make`, no
-network, and minutes of time. Everything here needs only those (tests/benchmarks/test_gpu_machine_env.py
-runs this module and tests/gpu in a venv holding just them, in CI).
+network, and minutes of time. Everything here needs only those
+(tests/benchmarks/test_gpu_machine_env.py runs this module and tests/gpu in a venv holding just
+them, in CI).
 
 Stages, in order; each runs in its own process under its own time limit, and writes its result
 file to the --out folder as soon as it ends, so a stage that hangs (a collective that never

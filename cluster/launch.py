@@ -22,6 +22,7 @@ from cluster.logs import NEVER_DEDUP, plain_ray_console, quiet_ray_driver, ray_t
 from cluster.run.folder import RunFolder
 from cluster.tracking.source import COMMIT_ENV, source_tags
 from cluster.worker import train_loop_per_worker
+from trainer.shell import python_m
 
 
 def local_num_cpus(cluster: ClusterConfig) -> int:
@@ -165,7 +166,7 @@ def ray_job_tags() -> dict[str, str]:
     if submission_id and "mlflow.source.git.commit" not in source_tags():
         tags["git_commit"] = (
             f"unknown: `ray job submit` uploaded {working_dir or 'the code'} without .git and "
-            f"without {COMMIT_ENV}; submit with python -m cluster.submit to record the commit"
+            f"without {COMMIT_ENV}; submit with {python_m('cluster.submit')} to record the commit"
         )
     return tags
 

@@ -40,6 +40,7 @@ from trainer import storage
 from trainer.data import MANIFEST, DataError, PreparedData, plan_and_check, prepare
 from trainer.data.preparation import Plan, on_ray_data, plan_preparation
 from trainer.data.splits import check_prepared
+from trainer.shell import python_m
 from trainer.storage import Location
 
 # ---- the job as the workers will run it --------------------------------------------------------
@@ -242,7 +243,7 @@ def check_prepared_data(root: Location, log=print) -> None:
     if total > CHECKSUM_MAX_BYTES:
         log(
             f"data: {total / 2**30:.1f} GiB prepared in {root}: shard sizes checked, checksums "
-            f"not read (python -m trainer.data inspect {root} --verify reads them all)"
+            f"not read ({python_m('trainer.data')} inspect {root} --verify reads them all)"
         )
         return None
     start = time.monotonic()

@@ -43,6 +43,7 @@ from trainer.data import (
 from trainer.data.preparation import Plan, on_ray_data
 from trainer.data.splits import check_prepared
 from trainer.data.tokenizer import load_tokenizer
+from trainer.shell import python_m
 
 register_schemas()
 
@@ -116,7 +117,7 @@ def hydra_main(dictcfg: DictConfig) -> None:
     print(
         f"{info.num_documents:,} documents in {info.num_shards} shards "
         f"(digest {info.digest[:16]}); "
-        f"python -m trainer.data inspect {info.uri}"
+        f"{python_m('trainer.data')} inspect {info.uri}"
     )
 
 

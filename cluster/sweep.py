@@ -84,6 +84,7 @@ from cluster.tracking.runs import (
     ui_url,
 )
 from trainer.metrics import MLflowLogger
+from trainer.shell import python_m
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
@@ -342,7 +343,7 @@ class SweepCallback(Callback):
         except Exception as e:  # the runs are in MLflow whatever the report does: say why not
             print(
                 f"sweep: the comparison report failed ({type(e).__name__}: {e}); run "
-                f"`python -m cluster.report {run_id} --tracking-uri {self.tracking_uri}`",
+                f"`{python_m('cluster.report')} {run_id} --tracking-uri {self.tracking_uri}`",
                 file=sys.stderr,
                 flush=True,
             )

@@ -25,8 +25,8 @@ one build that applies them, and says why that order).
   Shapes are static: each distinct (grad mode, micro-batch rows, document mask or not) compiles
   once when first met, all of training's in the first step (a rank's micro-batch rows are fixed
   by the global batch, the world size and train.micro_batches), evaluation's at the first
-  evaluation; nothing compiles after that (tests/trainer/test_compile.py). Generation with a KV cache
-  (a new length every token) runs the block eagerly.
+  evaluation; nothing compiles after that (tests/trainer/test_compile.py). Generation with a KV
+  cache (a new length every token) runs the block eagerly.
 
 The planner needs no change for compile: it counts parameters, gradients, optimizer state and
 activations by shape, and the compiled block holds the same tensors (inductor may fuse some of

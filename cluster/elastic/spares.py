@@ -73,8 +73,8 @@ PRELOAD = (
 )
 """What a spare imports while it waits: what a worker process imported before its first step
 (measured with PYTHONPROFILEIMPORTTIME in a restarted rank 0: what it imported after a
-preload of this list came to about 0.1 s). tests/cluster/elastic/test_spares.py checks that every one
-imports and that none touches CUDA; a module the worker path adds later is imported on the
+preload of this list came to about 0.1 s). tests/cluster/elastic/test_spares.py checks that
+every one imports and that none touches CUDA; a module the worker path adds later is imported on the
 critical path again, which benchmarks.recovery's imports column would show."""
 
 KEEP_ALIVE_S = 7 * 24 * 3600

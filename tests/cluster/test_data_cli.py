@@ -114,7 +114,8 @@ def test_resuming_on_changed_data_fails_before_anything_starts_and_says_what_to_
     for text in ("trained on other data", "digest: 'ffff", "a new cluster.run_name"):
         assert text in result.output, result.output
     assert (
-        "started a local Ray for this job" not in result.output and "mlflow: run" not in result.output
+        "started a local Ray for this job" not in result.output
+        and "mlflow: run" not in result.output
     )
 
 

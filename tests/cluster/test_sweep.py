@@ -66,7 +66,11 @@ PER_STEP_METRICS = (
     "mem/optim_state_bytes",
     "mem/peak_total_bytes",
 )
-NOTHING_STARTED_MARKERS = ("started a local Ray for this job", "mlflow: run", "mlflow: sweep parent")
+NOTHING_STARTED_MARKERS = (
+    "started a local Ray for this job",
+    "mlflow: run",
+    "mlflow: sweep parent",
+)
 
 
 def run_train(launch_dir: Path, *args: str, timeout: float) -> CliResult:

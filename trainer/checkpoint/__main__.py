@@ -39,6 +39,7 @@ from trainer.checkpoint.keys import param_name
 from trainer.checkpoint.reader import CheckpointReader
 from trainer.checkpoint.verify import verify
 from trainer.config import ConfigError
+from trainer.shell import python_m
 
 ONE_CHECKPOINT = "a checkpoint directory (step_NNNNNNNNN)"
 CHECKPOINT_OR_ROOT = f"{ONE_CHECKPOINT} or a folder holding them"
@@ -251,7 +252,7 @@ def _moved(old: str, new: list[str]) -> int:
     trainer/hf/): one line naming the command to run instead, exit 2 (a usage error)."""
     print(
         f"error: `python -m trainer.checkpoint {old}` moved; run: "
-        f"python -m trainer.hf {shlex.join(new)}",
+        f"{python_m('trainer.hf')} {shlex.join(new)}",
         file=sys.stderr,
     )
     return 2

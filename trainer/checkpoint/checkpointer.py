@@ -53,6 +53,7 @@ from trainer.fsdp import FSDPModel
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.state import load_optim, load_params, optim_pieces, param_pieces
 from trainer.optim import lr_at
+from trainer.shell import python_m
 
 
 def state_chunks(model: FSDPModel, optimizer: torch.optim.Optimizer) -> list[TensorChunk]:
@@ -348,7 +349,7 @@ class Checkpointer:
         if candidates:  # committed checkpoints exist and none loads: starting over would lose them
             raise CheckpointError(
                 f"none of the committed checkpoints under {self.root} can be loaded "
-                f"({', '.join(candidates)}); run `python -m trainer.checkpoint verify PATH` on "
+                f"({', '.join(candidates)}); run `{python_m('trainer.checkpoint')} verify PATH` on "
                 "them, or start a new run (cluster.run_name)"
             )
         return 0
