@@ -56,16 +56,29 @@ def hf_family(hf: dict, where: str) -> Family:
 
 
 def read_hf_config(path: str) -> dict:
-    loc = storage.resolve(path).child(CONFIG)
+    """The config.json of the checkpoint at `path`; a ConfigError naming model.hf_path when the
+    folder does not exist (a typo in the path) or holds no config.json (another kind of folder)."""
+    folder = storage.resolve(path)
+    loc = folder.child(CONFIG)
     try:
         return json.loads(storage.read_bytes(loc))
     except FileNotFoundError:
+        state = f"has no {CONFIG}"
+        if not _exists(folder):
+            state = f"does not exist (nothing at {folder}, so it has no {CONFIG})"
         raise ConfigError(
-            f"invalid config: model.hf_path={path!r} has no {CONFIG}; valid: the "
-            "folder or URI of a Hugging Face checkpoint (config.json, model*.safetensors)"
+            f"invalid config: model.hf_path={path!r} {state}; valid: the folder or URI of a "
+            "Hugging Face checkpoint (config.json, model*.safetensors)"
         ) from None
     except ValueError as e:
         raise ConfigError(f"invalid config: {loc} is not JSON ({e})") from None
+
+
+def _exists(loc: storage.Location) -> bool:
+    try:
+        return storage.exists(loc)
+    except (OSError, ValueError):  # not listable: say what is known, that config.json is not
+        return True
 
 
 def config_from_hf(
