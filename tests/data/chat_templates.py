@@ -390,6 +390,14 @@ def hf_tokenizer(path: Path, family: str):
     )
 
 
+def save_with_transformers(folder: Path, family: str) -> Path:
+    """The family's tokenizer saved into `folder` by transformers itself (transformers 5: the
+    template in chat_template.jinja, none in tokenizer_config.json); its tokenizer.json."""
+    tok = hf_tokenizer(write_tokenizer(folder.parent / f"{folder.name}-files", family), family)
+    tok.save_pretrained(folder)
+    return folder / "tokenizer.json"
+
+
 def hf_ids(tok, messages, **kw) -> list[int]:
     out = tok.apply_chat_template(messages, tokenize=True, **kw)
     if not isinstance(out, list):  # transformers 5: a BatchEncoding

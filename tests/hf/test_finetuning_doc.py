@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.data.chat_templates import hf_tokenizer, write_tokenizer
+from tests.data.chat_templates import save_with_transformers
 from tests.hf.tiny import hf_model
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "finetuning.md"
@@ -23,9 +23,8 @@ def snippet_code() -> str:
 
 def save_transformers_model(out: Path) -> None:
     """A tiny Qwen2 and a chat tokenizer (Qwen2.5's template), both saved by transformers."""
-    tokenizer = hf_tokenizer(write_tokenizer(out.parent / "tokfiles", "qwen2.5"), "qwen2.5")
     hf_model("qwen2_untied", vocab_size=448).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_with_transformers(out, "qwen2.5")
 
 
 def test_the_load_and_generate_snippet_runs_on_a_model_transformers_saved(

@@ -1,6 +1,6 @@
 """Chat templates and conversations: records -> messages -> rendered text -> ids and a loss mask.
 
-    template = load_chat_template(cfg.data)           # data.chat_template, or tokenizer_config.json
+    template = load_chat_template(cfg.data)           # data.chat_template, or the tokenizer's own
     text = template.render(messages, add_generation_prompt=True)   # as transformers renders it
     enc = encode_conversation(template, tokenizer.model, messages, "assistant", "<|im_end|>")
     enc.ids, enc.mask                                 # or a str: the reason it is skipped
@@ -37,7 +37,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from trainer import storage
 from trainer.config import ConfigError, DataConfig
 
-TOKENIZER_CONFIG = "tokenizer_config.json"
+from .template_files import (
+    CHAT_TEMPLATE_JINJA,
+    CHAT_TEMPLATE_JSON,
+    TOKENIZER_CONFIG,
+    beside,
+    find_template,
+    read_tokenizer_config,
+)
+
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -60,33 +68,6 @@ SAMPLE_CONVERSATION = [
 # ----------------------------------------------------------------------------- the template
 
 
-def beside(spec: str, name: str) -> str:
-    """The path or URI of file `name` in the folder of `spec` (query string kept)."""
-    path, _, query = spec.partition("?")
-    folder = path.rsplit("/", 1)[0] if "/" in path else "."
-    return f"{folder}/{name}" + (f"?{query}" if query else "")
-
-
-def read_tokenizer_config(tokenizer: str) -> Optional[dict]:
-    """The tokenizer_config.json beside `tokenizer` (a tokenizer.json path or URI), as read;
-    None when there is none (or the tokenizer is 'byte')."""
-    if tokenizer == "byte":
-        return None
-    loc = storage.resolve(beside(tokenizer, TOKENIZER_CONFIG))
-    try:
-        data = storage.read_bytes(loc)
-    except (FileNotFoundError, storage.StorageError, OSError):
-        return None
-    try:
-        config = json.loads(data)
-    except ValueError as e:
-        raise ConfigError(
-            f"invalid config: data.tokenizer={tokenizer!r}: {loc} is not JSON ({e}); valid: a "
-            "tokenizer_config.json as Hugging Face writes it, or none"
-        ) from None
-    return config if isinstance(config, dict) else None
-
-
 def token_text(value) -> Optional[str]:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, dict):
@@ -103,15 +84,6 @@ def special_tokens(config: Optional[dict]) -> dict[str, str]:
         if text is not None:
             out[key] = text
     return out
-
-
-def config_template(config: Optional[dict]) -> Optional[str]:
-    """The chat_template of a tokenizer_config: a string, or the "default" of a named list."""
-    value = (config or {}).get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    return value if isinstance(value, str) else None
 
 
 class _Generation(jinja2.ext.Extension):
@@ -190,8 +162,11 @@ def _compile(text: str) -> jinja2.Template:
 class ChatTemplate:
     """A chat template and the special tokens it sees; renders as transformers does."""
 
-    def __init__(self, text: str, tokens: Optional[dict[str, str]] = None, origin: str = ""):
+    def __init__(
+        self, text: str, tokens: Optional[dict[str, str]] = None, origin: str = "", note: str = ""
+    ):
         self.text, self.tokens, self.origin = text, dict(tokens or {}), origin
+        self.note = note  # another file beside the tokenizer holds a different one: which is used
         self.sha256 = hashlib.sha256(text.encode()).hexdigest()
         try:
             self._template = _compile(text)
@@ -215,8 +190,9 @@ class ChatTemplate:
 
 def load_chat_template(cfg: DataConfig, config: Optional[dict] = None) -> ChatTemplate:
     """data.chat_template (a file or URI when one exists there, else the template itself), or
-    the chat_template of the tokenizer_config.json beside data.tokenizer. ConfigError saying
-    where it looked when there is none."""
+    the one saved beside data.tokenizer (template_files.find_template: chat_template.jinja,
+    tokenizer_config.json's, chat_template.json's). ConfigError saying where it looked when
+    there is none."""
     if config is None:
         config = read_tokenizer_config(cfg.tokenizer)
     tokens = special_tokens(config)
@@ -226,16 +202,17 @@ def load_chat_template(cfg: DataConfig, config: Optional[dict] = None) -> ChatTe
         if text is not None:
             return ChatTemplate(text, tokens, spec)
         return ChatTemplate(spec, tokens, "data.chat_template")
-    text = config_template(config)
-    where = beside(cfg.tokenizer, TOKENIZER_CONFIG)
-    if text is None:
-        found = "has no chat_template" if config is not None else "does not exist"
+    found = find_template(cfg.tokenizer, config)
+    if found is None:
+        where = beside(cfg.tokenizer, TOKENIZER_CONFIG)
+        state = "has no chat_template" if config is not None else "does not exist"
         raise ConfigError(
-            f"invalid config: data.chat_template=None and {where} {found}; valid: "
-            "data.chat_template=<a Jinja template, or the file or URI holding one>, or a "
-            "tokenizer_config.json with a chat_template beside data.tokenizer"
+            f"invalid config: data.chat_template=None and {where} {state}, nor is there a "
+            f"{CHAT_TEMPLATE_JINJA} or {CHAT_TEMPLATE_JSON} beside it; valid: "
+            "data.chat_template=<a Jinja template, or the file or URI holding one>, or the "
+            "model's own chat_template.jinja or tokenizer_config.json beside data.tokenizer"
         )
-    return ChatTemplate(text, tokens, where)
+    return ChatTemplate(found.text, tokens, found.origin, found.note)
 
 
 def _read_if_file(spec: str) -> Optional[str]:

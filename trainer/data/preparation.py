@@ -108,6 +108,8 @@ def prepare(
     plan = plan or plan_preparation(cfg)
     if plan.prepared is not None:
         return plan.prepared
+    if plan.template is not None and plan.template.note:
+        log(f"prepare: {plan.template.note}")
     manifest = find_prepared(plan)
     created = manifest is None
     if manifest is None:

@@ -9,8 +9,9 @@ A checkpoint carries its run's tokenizer dict (PreparedData.tokenizer_info(): "n
 tokenizer.json or 'byte', plus chat_template, special tokens and stop_ids when they are known);
 an imported checkpoint whose state has none uses the Hugging Face folder it was imported from
 (or, where that is not readable, only the eos ids the import recorded).
-A Hugging Face folder has tokenizer.json, tokenizer_config.json (chat template, special tokens)
-and generation_config.json (eos ids). A tokenizer that cannot be read is not an error until
+A Hugging Face folder has tokenizer.json, tokenizer_config.json (special tokens), its chat
+template (chat_template.jinja, or tokenizer_config.json's: trainer/data/template_files.py) and
+generation_config.json (eos ids). A tokenizer that cannot be read is not an error until
 text is needed: generation from ids still works and prints ids.
 """
 
@@ -24,13 +25,13 @@ from tokenizers import Tokenizer as HFTokenizerModel
 
 from trainer import storage
 from trainer.config import ConfigError
-from trainer.data.chat import (
+from trainer.data.chat import ChatTemplate, special_tokens
+from trainer.data.template_files import (
+    CHAT_TEMPLATE_JINJA,
     TOKENIZER_CONFIG,
-    ChatTemplate,
     beside,
-    config_template,
+    find_template,
     read_tokenizer_config,
-    special_tokens,
 )
 from trainer.data.tokenizer import BYTE, ByteTokenizer
 from trainer.hf import CONFIG, GENERATION_CONFIG
@@ -118,8 +119,8 @@ class Text:
             raise ConfigError(
                 f"invalid config: --chat needs a chat template and {self.where} has none; "
                 "valid: a checkpoint of a run whose data had a chat template, a Hugging Face "
-                "folder whose tokenizer_config.json has a chat_template, or --tokenizer PATH "
-                "with a tokenizer_config.json beside it that has one"
+                f"folder with one ({CHAT_TEMPLATE_JINJA}, or tokenizer_config.json's "
+                "chat_template), or --tokenizer PATH with one of those beside it"
             )
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": user}
@@ -180,13 +181,14 @@ def text_of_hf_dir(path: str) -> Text:
         _add_ids(stops, (source or {}).get("eos_token_id"))
     if codec is not None and special.get("eos_token"):
         _add_ids(stops, codec.token_id(special["eos_token"]))
-    template = config_template(config)
-    return Text(codec, template, special, stops, str(loc.child(TOKENIZER_CONFIG)), missing)
+    found = find_template(tokenizer, config)
+    where = found.origin if found else str(loc.child(TOKENIZER_CONFIG))
+    return Text(codec, found.text if found else None, special, stops, where, missing)
 
 
 def with_tokenizer(text: Text, path: str) -> Text:
     """`text` with the tokenizer at `path` (--tokenizer: a tokenizer.json, or a folder holding
-    one), and the template and special tokens of the tokenizer_config.json beside it if any.
+    one), and the chat template and special tokens saved beside it if any.
     The model's stop ids stay (they are ids of its vocabulary); without any, the new eos."""
     if storage.exists(storage.resolve(path).child(TOKENIZER_JSON)):
         path = str(storage.resolve(path).child(TOKENIZER_JSON))
@@ -197,14 +199,17 @@ def with_tokenizer(text: Text, path: str) -> Text:
             "folder holding one"
         )
     config = read_tokenizer_config(path)
-    if config is None:
+    found = find_template(path, config)
+    if config is None and found is None:
         return Text(codec, text.template, text.special, text.stop_ids, text.where)
-    special = special_tokens(config)
+    special = special_tokens(config) if config is not None else text.special
     stops = list(text.stop_ids)
     if not stops and special.get("eos_token"):
         _add_ids(stops, codec.token_id(special["eos_token"]))
-    template = config_template(config) or text.template
-    return Text(codec, template, special, stops, beside(path, TOKENIZER_CONFIG))
+    template = found.text if found else text.template
+    return Text(
+        codec, template, special, stops, found.origin if found else beside(path, TOKENIZER_CONFIG)
+    )
 
 
 def _codec(name: Optional[str]) -> tuple[Optional[Codec], str]:
