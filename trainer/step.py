@@ -32,11 +32,12 @@ from trainer.loss import loss_sum
 from trainer.optim import guarded_step, set_lr
 
 MicroBatch = tuple
-"""(inputs, targets, weight) or (inputs, targets, weight, positions). weight: a number (0 for a
-placeholder micro-batch of a rank with fewer rows than micro-batches: it runs, so collectives
-pair up, and counts nothing) or per-token loss weights shaped like targets (fine-tuning's loss
-mask). positions: None, or each token's position in its packed document (the model keeps
-attention inside documents)."""
+"""(inputs, targets, weight[, positions[, real]]). weight: a number (0 for a placeholder
+micro-batch of a rank with fewer rows than micro-batches: it runs, so collectives pair up, and
+counts nothing) or per-token loss weights shaped like targets (fine-tuning's loss mask).
+positions: None, or each token's position in its packed document (the model keeps attention
+inside documents). real: None (every token), or [B, T] bool, the tokens that are not padding
+(what a mixture of experts' load-balancing statistics count)."""
 
 NO_SCALER = ShardedGradScaler(enabled=False)
 
@@ -51,6 +52,11 @@ class StepOutput:
     """True (a device bool) when the loss or the norm was not finite: the update was not applied."""
     overflow: bool
     """fp16 overflow on some rank: every rank skipped the step and the loss scale dropped."""
+    aux: Optional[torch.Tensor] = None
+    """A mixture of experts' load-balancing loss of the global batch (unweighted; `loss` holds
+    router_aux_loss_coef times it); None for a dense model."""
+    load: Optional[torch.Tensor] = None
+    """[sparse layers]: the busiest expert's tokens over the mean's, per layer (1.0: balanced)."""
 
 
 def _no_phase(name: str) -> ContextManager:
@@ -85,12 +91,28 @@ def train_step(
     trainer.loss.resolve_chunk_tokens), 0 from the whole logits."""
     if lr is not None:
         set_lr(optimizer, lr)
+    balance = load_balance(model)
+    routing = None
+    if balance is not None:  # global routing statistics before the first backward
+        micro_batches = list(micro_batches)
+        scale = (scaler.scale if scaler.enabled else 1.0) * grad_scale
+        routing = Routing(balance, world, scale)
+        if len(micro_batches) > 1:  # a prepass: every micro-batch's routing, no gradient
+            with phase("forward"), torch.no_grad():
+                for mb in micro_batches:
+                    micro_batch_loss(model, *mb[:4], chunk=loss_chunk_tokens, real=_real(mb))
+                    routing.add(mb)
+            routing.agree()
     loss_total = None
-    for (inputs, targets, weight, *positions), last in _with_last(micro_batches):
+    for mb, last in _with_last(micro_batches):
+        inputs, targets, weight, *positions = mb[:4]
         with contextlib.nullcontext() if last else model.no_sync():
             with phase("forward"):
                 s, _ = micro_batch_loss(model, inputs, targets, weight, *positions,
-                                        chunk=loss_chunk_tokens)  # fmt: skip
+                                        chunk=loss_chunk_tokens, real=_real(mb))  # fmt: skip
+                if routing is not None and not routing.agreed:  # one micro-batch: now
+                    routing.add(mb)
+                    routing.agree()
             with phase("backward"):
                 scaler.scale_loss(s * grad_scale / global_tokens).backward()
         loss_total = s.detach().float() if loss_total is None else loss_total + s.detach()
@@ -99,7 +121,10 @@ def train_step(
         if on_gradients is not None:
             on_gradients()
         norm = model.clip_grad_norm_(grad_clip)
-        if world > 1:
+        aux = load = None
+        if routing is not None:  # the probability sums ride on the loss's all-reduce
+            loss_total, aux, load = routing.finish(loss_total, global_tokens)
+        elif world > 1:
             dist.all_reduce(loss_total)
         bad = ~(torch.isfinite(loss_total) & torch.isfinite(norm))
         if overflow:  # fp16 overflow on any rank: every rank skips this step, the scale drops
@@ -108,7 +133,65 @@ def train_step(
             guarded_step(optimizer, bad)
         scaler.update(overflow)
         model.zero_grad()
-    return StepOutput(loss_total / global_tokens, norm, bad, overflow)
+    return StepOutput(loss_total / global_tokens, norm, bad, overflow, aux, load)
+
+
+def load_balance(model):
+    """The model's LoadBalance (trainer/model/moe.py) when it has sparse layers, else None; the
+    model behind the engine or a peer's wrapper."""
+    return getattr(getattr(model, "module", model), "balance", None)
+
+
+def _real(mb: MicroBatch) -> Optional[torch.Tensor]:
+    """The micro-batch's non-padding tokens for the routing statistics: none of a weight-0
+    placeholder (it runs so collectives pair up, and counts nothing)."""
+    real = mb[4] if len(mb) > 4 else None
+    weight = mb[2]
+    if not torch.is_tensor(weight) and weight == 0:
+        return torch.zeros(mb[0].shape, dtype=torch.bool, device=mb[0].device)
+    return real
+
+
+class Routing:
+    """One step's routing statistics of a mixture of experts over the global batch: each
+    micro-batch's (after its forward) added up, the counts and the real tokens summed over ranks
+    before any backward (`agree`: the aux loss's gradient needs them), the probability sums at
+    the end with the loss (`finish`: only the value needs them)."""
+
+    def __init__(self, balance, world: int, scale: float):
+        self.balance, self.world, self.scale = balance, world, scale
+        self.real = None  # this rank's real tokens, a device scalar
+        self.counts: Optional[torch.Tensor] = None  # global, once agreed
+        self.tokens = None
+        self.agreed = False
+        balance.begin()
+
+    def add(self, mb: MicroBatch) -> None:
+        self.balance.collect()
+        real = _real(mb)
+        n = torch.tensor(mb[0].numel(), device=mb[0].device) if real is None else real.sum()
+        self.real = n if self.real is None else self.real + n
+
+    def agree(self) -> None:
+        counts = self.balance.counts
+        both = torch.cat([counts.flatten(), self.real.view(1).to(counts.dtype)])
+        if self.world > 1:
+            dist.all_reduce(both)
+        self.counts = both[:-1].view_as(counts)
+        self.tokens = both[-1].clamp_min(1).to(torch.float64)
+        self.balance.set_gradient(self.counts, self.tokens, self.scale)
+        self.agreed = True
+
+    def finish(self, loss_total: torch.Tensor, global_tokens: int):
+        """(loss sum + coef x aux x global tokens, aux, per-layer load): one all-reduce of the
+        loss and the probability sums."""
+        sums = self.balance.sums
+        both = torch.cat([loss_total.view(1), sums.flatten()])
+        if self.world > 1:
+            dist.all_reduce(both)
+        aux = self.balance.aux(self.counts, both[1:].view_as(sums), self.tokens)
+        loss = both[0] + self.balance.coef * aux * global_tokens
+        return loss, aux, self.balance.load(self.counts)
 
 
 def forward(model, inputs: torch.Tensor, positions: Optional[torch.Tensor] = None, **kwargs):
@@ -118,16 +201,30 @@ def forward(model, inputs: torch.Tensor, positions: Optional[torch.Tensor] = Non
 
 
 def micro_batch_loss(
-    model, inputs, targets, weight, positions: Optional[torch.Tensor] = None, chunk: int = 0
+    model,
+    inputs,
+    targets,
+    weight,
+    positions: Optional[torch.Tensor] = None,
+    chunk: int = 0,
+    real: Optional[torch.Tensor] = None,
 ):
     """(token-loss sum, tokens counted) of one micro-batch: chunk 0 from the logits the model
     returns (loss_sum); chunk > 0 by the model itself, its head and the loss `chunk` tokens at a
     time (trainer.model.Transformer's targets=), so the whole logits never exist. Inside the
-    model's forward, the engine's units (and FSDP2's) have the head's weight gathered."""
+    model's forward, the engine's units (and FSDP2's) have the head's weight gathered. `real`:
+    the non-padding tokens, for a mixture of experts' routing statistics (given only then)."""
+    extra = {} if real is None else {"real": real}
     if not chunk:
-        return loss_sum(forward(model, inputs, positions), targets, weight)
+        return loss_sum(forward(model, inputs, positions, **extra), targets, weight)
     return forward(
-        model, inputs, positions, targets=targets, loss_weight=weight, loss_chunk_tokens=chunk
+        model,
+        inputs,
+        positions,
+        targets=targets,
+        loss_weight=weight,
+        loss_chunk_tokens=chunk,
+        **extra,
     )
 
 

@@ -55,6 +55,13 @@ class Accounting:
         self.comm_bytes[op] += factor * payload_bytes * (group_size - 1) // group_size
         self.comm_calls[op] += 1
 
+    def record_sent(self, op: str, sent_bytes: int, seconds: float) -> None:
+        """A synchronous exchange (a mixture's all-to-all): the bytes this rank sent and the
+        seconds the compute path spent in it (all of it exposed)."""
+        self.comm_bytes[op] += sent_bytes
+        self.comm_calls[op] += 1
+        self.exposed_s[op] += seconds
+
     def record_wait(self, op: str, seconds: float) -> None:
         self.exposed_s[op] += seconds
 
@@ -69,7 +76,8 @@ class Accounting:
             end.synchronize()
             self.exposed_s[op] += start.elapsed_time(end) / 1000.0
         self._wait_events.clear()
-        return {op: 1000.0 * self.exposed_s.get(op, 0.0) for op in COMM_OPS}
+        ops = (*COMM_OPS, "all_to_all") if "all_to_all" in self.exposed_s else COMM_OPS
+        return {op: 1000.0 * self.exposed_s.get(op, 0.0) for op in ops}
 
     def reset_step(self) -> None:
         """Start a new step: zero per-step comm counters, waits and peaks (peaks restart from
@@ -117,7 +125,10 @@ class Accounting:
         exposed = self.exposed_ms()
         for op in COMM_OPS:
             out[f"comm/exposed_{op}_ms"] = exposed[op]
-        out["comm/exposed_ms"] = sum(exposed.values())
+        if "all_to_all" in self.comm_bytes:  # a mixture of experts on the expert axis
+            out["comm/all_to_all_bytes"] = float(self.comm_bytes["all_to_all"])
+            out["comm/exposed_all_to_all_ms"] = exposed.get("all_to_all", 0.0)
+        out["comm/exposed_ms"] = sum(exposed.values())  # the all-to-all's included
         for k in MEMORY_KINDS:
             out[f"mem/{k}_bytes"] = float(self.live.get(k, 0))
             out[f"mem/peak_{k}_bytes"] = float(self.peak.get(k, 0))

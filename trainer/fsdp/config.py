@@ -150,6 +150,12 @@ class ShardingConfig:
     an ulp are lost; kept for the drift comparison in benchmarks/precision.py)."""
     hybrid_shard_group_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes LOCAL_WORLD_SIZE (ranks per node)."""
+    expert_parallel: int = 1
+    """Ranks a mixture of experts' experts are split over (the mesh's `expert` axis): each rank
+    holds E / N experts of every sparse layer, and tokens travel to their experts' ranks by an
+    all-to-all. N divides the experts and the world size (under HYBRID_SHARD the node). The
+    experts' weights are sharded over the ranks holding the same experts, the rest of the model
+    over all ranks. 1: every rank holds every expert (plain FSDP over them)."""
     modules: dict[str, str] = field(default_factory=dict)
     """Per-module strategies: module-name pattern (fnmatch, as in named_modules(): `tok_embeddings`,
     `layers.*`, `output`) -> strategy, e.g. {tok_embeddings: NO_SHARD, "layers.*": FULL_SHARD}.
@@ -177,7 +183,7 @@ class ShardingConfig:
     def validate(self) -> None:
         if self.master_dtype is DType.float16:
             fail("sharding.master_dtype", str(self.master_dtype), "float32 or bfloat16")
-        for key in ("max_gathers_in_flight", "max_reductions_in_flight"):
+        for key in ("max_gathers_in_flight", "max_reductions_in_flight", "expert_parallel"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 fail(f"sharding.{key}", value, "an integer >= 1")

@@ -28,6 +28,7 @@ from . import state
 from .accounting import Accounting
 from .collectives import Collectives
 from .config import Offload, Rounding, ShardingStrategy
+from .experts import localize_experts
 from .flat_param import FlatParameter
 from .hooks import StepHooks
 from .mesh import Mesh, Placement
@@ -78,6 +79,7 @@ class FSDPModel(torch.nn.Module):
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.acct = Accounting(trace_enabled=trace)
         self.comm = Collectives(self.acct, self.device)
+        localize_experts(model, mesh, self.acct)  # a mixture on the expert axis: its experts
         specs = transformer_policy(model) if units is None else units
         strategies = [mesh.strategy] * len(specs) if strategies is None else list(strategies)
         if isinstance(offload, bool):
@@ -205,8 +207,9 @@ class FSDPModel(torch.nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradient across shards (padding excluded, replicas counted once);
         scales the gradients by min(1, max_norm / (norm + 1e-6)) when max_norm > 0. Returns the
-        norm. Each placement's squares are summed over its own shard group (a NO_SHARD unit's
-        over none: every rank holds all of it), then the placements' sums are added."""
+        norm. Each placement's squares are summed over the ranks holding different elements of
+        it (its shard group; a NO_SHARD unit's none: every rank holds all of it; experts' also
+        over the expert axis: other ranks, other experts), then the placements' sums are added."""
         home = "cpu" if self.offload else self.device  # where the gradient shards live
         sums: dict[Placement, torch.Tensor] = {}  # in unit order: the same on every rank
         for flat in (f for f in self.flats() if f.requires_grad):
@@ -216,8 +219,8 @@ class FSDPModel(torch.nn.Module):
         total = None
         for placement, sq in sums.items():
             sq = sq.to(self.device)  # the process group's device
-            if placement.shard_size > 1:
-                dist.all_reduce(sq, group=placement.shard_group)
+            if placement.distinct_size > 1:
+                dist.all_reduce(sq, group=placement.distinct_group)
             total = sq if total is None else total + sq
         norm = total.sqrt()
         if max_norm > 0:

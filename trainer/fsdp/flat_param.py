@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -26,13 +27,22 @@ class ParamInfo:
     fqn: str  # fully-qualified name in the wrapped model
     module_name: str  # fqn of the owning module
     attr: str  # attribute name on that module
-    shape: torch.Size
+    shape: torch.Size  # as this rank holds it (a mixture's experts: its experts only)
     offset: int  # element offset in the flat parameter
     decay: bool
+    global_shape: Optional[tuple] = None
+    """The whole tensor's shape when this rank holds only part of it (its experts: rows of dim 0
+    of the stacked experts); None: `shape`. What checkpoints and full states name."""
+    global_offset: int = 0
+    """Where this rank's part starts in the whole tensor, flattened (first expert x row size)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def full_shape(self) -> tuple:
+        return tuple(self.global_shape or self.shape)
 
 
 class FlatParameter:
@@ -155,12 +165,13 @@ class FlatParameter:
 
     # ---- ranges ------------------------------------------------------------------------
     def local_pieces(self):
-        """For each original parameter meeting this shard:
-        (info, start in param, count, offset in shard)."""
+        """For each original parameter meeting this shard: (info, start in the whole parameter,
+        count, offset in shard). The whole parameter: a rank's experts start at their global
+        offset (ParamInfo.global_offset) in it."""
         for info in self.infos:
             a, b = max(info.offset, self.lo), min(info.offset + info.numel, self.hi)
             if a < b:
-                yield info, a - info.offset, b - a, a - self.lo
+                yield info, info.global_offset + a - info.offset, b - a, a - self.lo
 
     @property
     def valid_numel(self) -> int:

@@ -8,25 +8,31 @@ and the placement of a unit's flat parameters on it.
 Axes, outermost first (ranks are laid out row-major: the last axis is the fastest, so a node's
 consecutive ranks share every axis but the inner ones):
 
-| axis      | splits                         | today                                          |
-|-----------|--------------------------------|------------------------------------------------|
+| axis      | splits                          | size                                           |
+|-----------|---------------------------------|------------------------------------------------|
 | replicate | the data (HYBRID: across nodes) | W / shard under HYBRID_SHARD, W under NO_SHARD |
 | shard     | the data and the parameters     | W (FULL_SHARD, SHARD_GRAD_OP), a node (HYBRID) |
+| expert    | the data and a mixture's experts | sharding.expert_parallel (cut from shard)     |
 
-The context, expert and tensor axes take their place after `shard` when they land (see
-docs/engine.md, "The mesh"). A strategy is a shape of the mesh (mesh_shape) and, per unit, a
-placement: which axes the unit's flat parameters are sharded over (all-gather, reduce-scatter)
-and which they are replicated over (all-reduce of the shards):
+The context and tensor axes take their place after `shard` when they land (see docs/engine.md,
+"The mesh"). A strategy is a shape of the mesh (mesh_plan) and, per unit, a placement: which
+axes the unit's flat parameters are sharded over (all-gather, reduce-scatter) and which they are
+replicated over (all-reduce of the shards):
 
 | unit strategy             | sharded over          | replicated over        |
 |---------------------------|-----------------------|------------------------|
 | FULL_SHARD, SHARD_GRAD_OP | every data axis       | -                      |
-| HYBRID_SHARD              | shard                 | replicate              |
+| HYBRID_SHARD              | shard x expert        | replicate              |
 | NO_SHARD                  | -                     | every data axis        |
 
 So FULL_SHARD on a HYBRID_SHARD mesh (sharding.modules) shards over all ranks, and NO_SHARD on a
 FULL_SHARD mesh replicates over all ranks. A group over several axes (a FULL_SHARD unit's
 replicate x shard) is built once per set of axes and cached.
+
+Expert flats (a mixture of experts' stacked weights, trainer/fsdp/experts.py) are placed the
+same way without the `expert` axis: a rank holds only its experts (E / expert_parallel of
+them), sharded over the ranks that hold the same ones; ranks of other expert coordinates hold
+other experts (`distinct_axes`: what the global norm sums over), not replicas.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .config import ShardingConfig, ShardingStrategy
+from .config import ConfigError, ShardingConfig, ShardingStrategy
 
-AXES = ("replicate", "shard")
-"""The mesh's axes in rank order, outermost first."""
-DATA_AXES = ("replicate", "shard")
+AXES = ("replicate", "shard", "expert")
+"""The mesh's axes in rank order, outermost first (a node's consecutive ranks differ on the inner
+ones: an expert group is consecutive ranks, its all-to-all inside a node)."""
+DATA_AXES = ("replicate", "shard", "expert")
 """The axes the data is split over (each rank of them reads its own samples)."""
 
 
@@ -76,7 +83,25 @@ def mesh_plan(
         why = f"{strategy}, {groups}"
     else:
         shard = world_size
-    return {"replicate": world_size // shard, "shard": shard}, why
+    replicate, ep = world_size // shard, cfg.expert_parallel
+    if ep > 1:  # the expert axis is cut from the shard axis (from replicate under NO_SHARD)
+        if shard % ep == 0:
+            shard //= ep
+        elif shard == 1 and replicate % ep == 0:
+            replicate //= ep
+        else:
+            group = shard if shard > 1 else world_size
+            raise ConfigError(
+                f"invalid config: sharding.expert_parallel={ep} does not divide the "
+                f"{'shard group' if shard > 1 else 'world'} of {group} ranks ({why}); valid: "
+                f"{', '.join(map(str, divisors(group)))}"
+            )
+        why += f", experts over {ep} ranks"
+    return {"replicate": replicate, "shard": shard, "expert": ep}, why
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def mesh_shape(cfg: ShardingConfig, world_size: int, local_world_size: int = 1) -> dict[str, int]:
@@ -100,6 +125,14 @@ class Placement:
     replicate_group: Optional[dist.ProcessGroup]
     shard_ranks: tuple[int, ...]
     """The global ranks of this rank's shard group, by shard rank."""
+    distinct_axes: tuple[str, ...] = ()
+    """The axes over which ranks hold different elements (what a global norm sums over): the
+    shard axes, and for expert flats the expert axis too (other ranks, other experts)."""
+    distinct_group: Optional[dist.ProcessGroup] = None
+    distinct_size: int = 1
+    expert_group: Optional[dist.ProcessGroup] = None
+    """Expert flats: the ranks holding the other experts (the expert axis); None for dense."""
+    expert_size: int = 1
 
     @property
     def primary(self) -> bool:
@@ -208,12 +241,20 @@ class Mesh:
         return mine
 
     # ---- placements --------------------------------------------------------------------
-    def placement(self, strategy: Optional[ShardingStrategy] = None) -> Placement:
-        """Where a unit of `strategy` (the mesh's own by default) keeps its flat parameters."""
+    def placement(
+        self, strategy: Optional[ShardingStrategy] = None, experts: bool = False
+    ) -> Placement:
+        """Where a unit of `strategy` (the mesh's own by default) keeps its flat parameters;
+        `experts`: its flat of this rank's experts (the axes without `expert`)."""
         strategy = self.strategy if strategy is None else strategy
-        if strategy not in self._placements:
+        key = (strategy, experts)
+        if key not in self._placements:
             shard, rep = placement_axes(strategy)
-            self._placements[strategy] = Placement(
+            if experts:
+                shard = tuple(a for a in shard if a != "expert")
+                rep = tuple(a for a in rep if a != "expert")
+            distinct = (*shard, "expert") if experts else shard
+            self._placements[key] = Placement(
                 shard_axes=shard,
                 replicate_axes=rep,
                 shard_size=self.size(*shard),
@@ -223,8 +264,13 @@ class Mesh:
                 replicate_rank=self.coord(*rep),
                 replicate_group=self.group(*rep),
                 shard_ranks=tuple(self.group_ranks(*shard)),
+                distinct_axes=distinct,
+                distinct_group=self.group(*distinct),
+                distinct_size=self.size(*distinct),
+                expert_group=self.group("expert") if experts else None,
+                expert_size=self.size("expert") if experts else 1,
             )
-        return self._placements[strategy]
+        return self._placements[key]
 
     # The mesh's own placement, by the names the engine has always used.
     @property
@@ -252,8 +298,10 @@ class Mesh:
         return self.placement().replicate_group
 
     def describe(self) -> str:
-        """One line for the log: "replicate 2 x shard 4 (HYBRID_SHARD, shard groups of 4 ...)"."""
-        axes = " x ".join(f"{name} {size}" for name, size in self.shape.items())
+        """One line for the log: "replicate 2 x shard 4 (HYBRID_SHARD, shard groups of 4 ...)";
+        an axis of size 1 beyond the first two is left out."""
+        shown = [(n, s) for i, (n, s) in enumerate(self.shape.items()) if i < 2 or s > 1]
+        axes = " x ".join(f"{name} {size}" for name, size in shown)
         return f"{axes} ({self.why})" if self.why else axes
 
 
@@ -262,7 +310,7 @@ def placement_axes(strategy: ShardingStrategy) -> tuple[tuple[str, ...], tuple[s
     if strategy is ShardingStrategy.NO_SHARD:
         return (), DATA_AXES
     if strategy is ShardingStrategy.HYBRID_SHARD:
-        return ("shard",), ("replicate",)
+        return ("shard", "expert"), ("replicate",)
     return DATA_AXES, ()
 
 

@@ -50,7 +50,7 @@ def param_pieces(
         if primary and not flat.placement.primary:
             continue
         for info, start, count, off in flat.local_pieces():
-            yield info.fqn, tuple(info.shape), start, flat.shard[off : off + count]
+            yield info.fqn, info.full_shape, start, flat.shard[off : off + count]
 
 
 def optim_pieces(fsdp: ShardedModel, optimizer: torch.optim.Optimizer, primary: bool = False):
@@ -66,7 +66,7 @@ def optim_pieces(fsdp: ShardedModel, optimizer: torch.optim.Optimizer, primary: 
                     yield (
                         info.fqn,
                         name,
-                        tuple(info.shape),
+                        info.full_shape,
                         start,
                         value[off - base : off - base + count],
                     )
@@ -97,8 +97,14 @@ def iter_full_state(
     run the iterator to its end: the pieces are sent as it advances. Replicas (NO_SHARD's,
     HYBRID_SHARD's groups after the first) take no part: the first replica's shard group sends,
     each flat over its own placement; its shard rank 0 (global rank 0: replicate axes are the
-    outer ones) receives."""
+    outer ones) receives. A mixture's experts are gathered whole on every rank (their rows lie
+    on the ranks of every expert coordinate) and yielded by rank 0."""
     for flat in fsdp.flats():
+        if flat.placement.expert_size > 1:
+            for fqn, whole in _gather_flat(flat, fsdp.device, flat.shard).items():
+                if dist.get_rank() == 0:
+                    yield fqn, whole.to(dtype or torch.float32)
+            continue
         if not flat.placement.primary:
             continue
         me, group = flat.placement.shard_rank, flat.placement.shard_group
@@ -190,14 +196,28 @@ def _gather_full(
     for flat in fsdp.flats():
         if trainable_only and not flat.requires_grad:
             continue
-        mine = local(flat).to(fsdp.device, torch.float32)  # offloaded shards live on the host
-        full = torch.empty(flat.padded_numel, dtype=torch.float32, device=mine.device)
-        if flat.placement.shard_size > 1:
-            _all_gather(full, mine, group=flat.placement.shard_group)
-        else:
-            full.copy_(mine)
-        for info in flat.infos:
-            out[info.fqn] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
+        out.update(_gather_flat(flat, fsdp.device, local(flat)))
+    return out
+
+
+def _gather_flat(flat: FlatParameter, device, mine: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every parameter of `flat` whole, from this rank's shard `mine` of it (collective over the
+    flat's shard group, and for experts over the expert axis: all expert rows, in order)."""
+    mine = mine.to(device, torch.float32)  # offloaded shards live on the host
+    full = torch.empty(flat.padded_numel, dtype=torch.float32, device=mine.device)
+    m = flat.placement
+    if m.shard_size > 1:
+        _all_gather(full, mine, group=m.shard_group)
+    else:
+        full.copy_(mine)
+    out = {}
+    for info in flat.infos:
+        value = full[info.offset : info.offset + info.numel].view(info.shape)
+        if m.expert_size > 1:  # every expert coordinate's rows, in order
+            whole = torch.empty(m.expert_size * info.numel, device=value.device)
+            _all_gather(whole, value.reshape(-1), group=m.expert_group)
+            value = whole.view(info.full_shape)
+        out[info.fqn] = value.clone()
     return out
 
 

@@ -59,7 +59,7 @@ class FSDPUnit:
         modules: tuple[torch.nn.Module, ...],
         flats: list[FlatParameter],
         owners: dict[str, torch.nn.Module],
-        placement: Placement,
+        placement: Placement,  # the unit's own (its flats may carry others: experts)
         comm: Collectives,
         acct: Accounting,
         reduce: ReduceFn,
@@ -77,7 +77,7 @@ class FSDPUnit:
         # (and lives where the unit computes).
         offloaded = any(f.host for f in flats)
         self.alias = (
-            placement.shard_size == 1
+            all(f.placement.shard_size == 1 for f in flats)
             and all(f.shard.dtype == param_dtype for f in flats)
             and not offloaded
         )
@@ -182,7 +182,7 @@ class FSDPUnit:
         self.acct.alloc("gathered_params", self.gathered_bytes)
         for flat, buf in zip(self.flats, self._buf):
             _alloc_storage(buf)
-            if self.placement.shard_size == 1:
+            if flat.placement.shard_size == 1:
                 # The compute-dtype copy is a local cast (offload=params: straight from the host).
                 buf.copy_(flat.shard if flat.staged else flat.gather_source(), non_blocking=True)
                 self.gathered = True
@@ -194,8 +194,8 @@ class FSDPUnit:
                     self.comm.all_gather(
                         buf,
                         flat.gather_source,
-                        self.placement.shard_group,
-                        self.placement.shard_size,
+                        flat.placement.shard_group,
+                        flat.placement.shard_size,
                         self.name,
                     )
                 )

@@ -8,6 +8,7 @@ view of the gathered flat tensor before each use), and each rank holds only its 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union
 
 import torch
@@ -61,6 +62,16 @@ def transformer_policy(model: torch.nn.Module) -> list[UnitSpec]:
     return [embedding, *blocks, (norm, output)]
 
 
+def _whole(owners, mod_name: str, p: torch.Tensor) -> tuple:
+    """(global shape, global offset) of a parameter this rank holds part of: a module with
+    `stacked_experts` holds rows [first, first + rows) of `total` along dim 0."""
+    owner = owners[mod_name]
+    if not getattr(owner, "stacked_experts", False):
+        return None, 0
+    row = math.prod(p.shape[1:])
+    return (owner.total, *p.shape[1:]), owner.first * row
+
+
 def unit_modules(spec: UnitSpec) -> tuple[torch.nn.Module, ...]:
     return tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
 
@@ -102,25 +113,27 @@ class UnitBuilder:
     ) -> FSDPUnit:
         """The unit of the parameters of `spec`'s modules, minus those of the units in `exclude`
         (the root excludes the other units), placed on the mesh as `strategy` says. Trainable and
-        frozen parameters get separate flats. The `root` never reshards after forward: it is
-        gathered first and backward ends with it."""
+        frozen parameters get separate flats, and so do a mixture's stacked experts (a module
+        with `stacked_experts`: they are placed without the expert axis, each rank holding its
+        own experts). The `root` never reshards after forward: it is gathered first and backward
+        ends with it."""
         placement = self.mesh.placement(strategy)
         excluded = {id(p) for e in exclude for m in unit_modules(e) for p in m.parameters()}
         modules = unit_modules(spec)
-        owners, trainable, frozen, seen = {}, [], [], set()
+        owners, groups, seen = {}, {}, set()
         for mod in (sub for m in modules for sub in m.modules()):
+            experts = bool(getattr(mod, "stacked_experts", False))
             for attr, p in list(mod.named_parameters(recurse=False)):
                 if id(p) in excluded or id(p) in seen:
                     continue
                 seen.add(id(p))
                 fqn_mod = self.names[id(mod)]
                 owners[fqn_mod] = mod
-                entry = (fqn_mod, attr, p)
-                (trainable if p.requires_grad else frozen).append(entry)
+                groups.setdefault((experts, p.requires_grad), []).append((fqn_mod, attr, p))
         flats = [
-            self._flatten(entries, owners, rg, placement)
-            for entries, rg in ((trainable, True), (frozen, False))
-            if entries
+            self._flatten(groups[key], owners, key[1], self.mesh.placement(strategy, key[0]))
+            for key in ((False, True), (False, False), (True, True), (True, False))
+            if key in groups
         ]
         return FSDPUnit(
             name,
@@ -142,7 +155,11 @@ class UnitBuilder:
         infos, offset = [], 0
         for mod_name, attr, p in entries:
             fqn = f"{mod_name}.{attr}" if mod_name else attr
-            infos.append(ParamInfo(fqn, mod_name, attr, p.shape, offset, p.ndim >= 2))
+            infos.append(
+                ParamInfo(
+                    fqn, mod_name, attr, p.shape, offset, p.ndim >= 2, *_whole(owners, mod_name, p)
+                )
+            )
             offset += p.numel()
         flat = FlatParameter(
             infos,

@@ -60,6 +60,9 @@ class AttentionContext:
     """None (causal), a bool Tensor [B, 1, T, T] (True = may attend) or a FlexAttention
     BlockMask (CUDA)."""
     cache: Optional[KVCache] = None
+    real: Optional[torch.Tensor] = None
+    """[B, T] bool, the tokens that are not padding (None: all): what the mixture of experts'
+    routing statistics count (trainer/model/moe.py)."""
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:

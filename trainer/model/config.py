@@ -65,6 +65,26 @@ class ModelConfig:
     """The output projection is the token embedding matrix (no separate output weight)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of matrices."""
+    moe_experts: int = 0
+    """Experts of the mixture-of-experts feed-forward (trainer/model/moe.py); 0: a dense model.
+    The sparse layers (moe_layers) hold a router and these experts instead of the SwiGLU."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (num_experts_per_tok)."""
+    moe_ffn_dim: int = 0
+    """Hidden size of each expert's SwiGLU (Qwen3-MoE moe_intermediate_size; Mixtral's
+    intermediate_size). ffn_dim stays the dense layers' width."""
+    moe_norm_topk: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Qwen3-MoE norm_topk_prob; Mixtral
+    always does)."""
+    moe_weights_fp32: bool = False
+    """Combine the experts' outputs with fp32 routing weights (Mixtral) rather than weights cast
+    to the compute dtype (Qwen3-MoE)."""
+    moe_layers: Optional[list[int]] = None
+    """The sparse layers' indices; None: every layer (with moe_experts > 0). Qwen3-MoE's
+    decoder_sparse_step and mlp_only_layers resolve to this list at import."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss added to the training loss (transformers' aux loss,
+    over the global batch's routing statistics: trainer/model/moe.py)."""
     hf_path: Optional[str] = None
     """A Hugging Face Llama checkpoint (a folder or pyarrow.fs URI holding config.json and
     model.safetensors or model.safetensors.index.json): the shape above comes from its config.json
@@ -105,6 +125,7 @@ class ModelConfig:
         for key in ("rope_low_freq_factor", "rope_high_freq_factor"):
             if not positive(getattr(self, key)):
                 fail(f"model.{key}", getattr(self, key), "a finite positive number")
+        self._validate_moe()
         if self.name == "hf" and self.hf_path == "":  # model=hf without model.hf_path
             fail(
                 "model.hf_path",
@@ -112,6 +133,30 @@ class ModelConfig:
                 "the folder or URI of a Hugging Face Llama "
                 "checkpoint (config.json and model*.safetensors)",
             )
+
+    def _validate_moe(self) -> None:
+        if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+            fail("model.moe_experts", self.moe_experts, "0 (a dense model) or a positive integer")
+        if not self.moe_experts:
+            return
+        if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.moe_experts:
+            fail("model.moe_top_k", self.moe_top_k, f"1 to model.moe_experts={self.moe_experts}")
+        if not isinstance(self.moe_ffn_dim, int) or self.moe_ffn_dim <= 0:
+            fail("model.moe_ffn_dim", self.moe_ffn_dim, "a positive integer (each expert's width)")
+        bad = [i for i in self.moe_layers or () if not 0 <= i < self.n_layers]
+        if bad:
+            fail("model.moe_layers", self.moe_layers, f"layer indices in 0..{self.n_layers - 1}")
+        if not (positive(self.router_aux_loss_coef) or self.router_aux_loss_coef == 0):
+            fail("model.router_aux_loss_coef", self.router_aux_loss_coef, "a finite number >= 0")
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose feed-forward is the mixture of experts (none for a dense model)."""
+        if not self.moe_experts:
+            return ()
+        if self.moe_layers is None:
+            return tuple(range(self.n_layers))
+        return tuple(sorted(set(self.moe_layers)))
 
     @property
     def kv_heads(self) -> int:
@@ -123,7 +168,7 @@ class ModelConfig:
         return self.head_dim or self.dim // self.n_heads
 
 
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 """model.family's values (trainer/hf/ maps each to and from its Hugging Face config)."""
 
 

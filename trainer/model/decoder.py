@@ -36,6 +36,7 @@ from .attention import Attention, AttentionContext, KVCache, document_mask
 from .config import ModelConfig
 from .feedforward import FeedForward
 from .initialization import init_parameters
+from .moe import LoadBalance, MoE
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -51,10 +52,15 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, rotary, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if layer in cfg.sparse_layers:  # a mixture of experts instead of the SwiGLU
+            self.moe = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, ctx: Optional[AttentionContext] = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), ctx)
+        if hasattr(self, "moe"):
+            return h + self.moe(self.ffn_norm(h), None if ctx is None else ctx.real)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -102,6 +108,11 @@ class Transformer(nn.Module):
             TransformerBlock(cfg, self.rotary, i) for i in range(cfg.n_layers)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # The sparse layers' load-balancing loss over the global batch (None: a dense model).
+        sparse = [layer.moe for layer in self.layers if hasattr(layer, "moe")]
+        self.balance = LoadBalance(sparse, cfg.router_aux_loss_coef) if sparse else None
+        for moe in sparse:
+            moe.balance = self.balance
         # Tied: the head reads the embedding matrix; there is no second parameter to keep equal.
         self.output = (
             None if cfg.tie_embeddings else OutputHead(cfg.dim, cfg.vocab_size, cfg.init_std)
@@ -116,9 +127,11 @@ class Transformer(nn.Module):
         targets: Optional[torch.Tensor] = None,
         loss_weight=None,
         loss_chunk_tokens: int = 0,
+        real: Optional[torch.Tensor] = None,
     ):
         h = self.tok_embeddings(tokens)
         ctx = self.context(tokens, positions, cache, h.dtype)
+        ctx.real = real
         for layer in self.layers:
             h = layer(h, ctx)
         if cache is not None:

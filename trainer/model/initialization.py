@@ -5,7 +5,9 @@ alone, so per-unit and whole-model init agree, on any device, in any order.
     fsdp = parallelize(model, ..., init_fn=initializer(seed))   # one unit at a time
 
 The rule of each parameter: RMSNorm weights are 1, biases 0, and every Linear or Embedding is
-normal with the `init_std` it carries (`linear` makes such a Linear).
+normal with the `init_std` it carries (`linear` makes such a Linear); a module's `init_stds`
+names a std per parameter (the experts). Stacked experts (a module with `first`: moe.Experts)
+draw each expert from (seed, name, its global index), so any cut of the experts agrees.
 """
 
 from __future__ import annotations
@@ -61,9 +63,14 @@ def init_parameters(
                 f"init_parameters: parameter {fqn!r} is on the meta device; "
                 "materialise it first (module.to_empty(device=...))"
             )
+    owners = {id(p): mod for _, p, mod in _named_params_with_owner(module)}
     with torch.no_grad():
         for fqn, p, std in todo:
-            if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+            first = getattr(owners[id(p)], "first", None)
+            if first is not None:  # stacked experts: one draw per expert, by its global index
+                for i in range(p.shape[0]):
+                    p[i].copy_(_draw(f"{fqn}[{first + i}]", seed, p.shape[1:], std))
+            elif p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
                 _draw_into(p, fqn, seed, std)  # same values, without a second copy in memory
             else:
                 p.copy_(_draw(fqn, seed, p.shape, std))
@@ -88,7 +95,8 @@ def _init_rule(owner: nn.Module, fqn: str) -> Optional[float]:
         return None
     if fqn.endswith(".bias"):
         return 0.0
-    std = getattr(owner, "init_std", None)
+    stds = getattr(owner, "init_stds", {})
+    std = stds.get(fqn.rsplit(".", 1)[-1], getattr(owner, "init_std", None))
     if std is None:
         raise ValueError(
             f"init_parameters: no init rule for {fqn!r} "
