@@ -12,19 +12,21 @@ tracing one block and the root on fake tensors (activations.py), the step's phas
 engine's schedule (timeline.py), the bytes on the wire from its accounting (traffic.py), the ZeRO
 paper's formulas for comparison (zero.py). The memory levers (bf16 moments, bf16 master,
 optimizer or parameter offload) are priced from one table (levers.py), and choose.py lists every
-combination with its step-time estimate, picks the cheapest that fits device and host, and is
-the check a run makes before its workers start (check_fits). A plan fits when its peak fits in
-the device's memory less what a CUDA worker cannot give to tensors: the CUDA context, NCCL's
-buffers and the allocator's fragmentation (headroom.py), and its node's workers fit in the host's
-memory.
+combination (with every strategy, when asked) with its step-time estimate, chooses the one answer
+by one rule (choose: the fastest predicted step that fits), and is the check a run makes before
+its workers start (check_fits); answer.py words the answer, or that nothing fits. A plan fits
+when its peak fits in the device's memory less what a CUDA worker cannot give to tensors: the
+CUDA context, NCCL's buffers and the allocator's fragmentation (headroom.py), and its node's
+workers fit in the host's memory.
 """
 
 from .activations import ActivationProfile, profile
-from .choose import Option, cheapest, check_fits, options
+from .answer import format_answer, format_nothing_fits
+from .choose import CHOICE_RULE, Option, cheapest, check_fits, choose, closest, options
 from .headroom import Headroom, headroom_for, nccl_communicators
 from .layout import Layout, layout
 from .levers import BYTES, Costs
-from .planner import MemoryPlan, candidates, plan, recommend, rows_per_micro_batch
+from .planner import MemoryPlan, candidates, plan, recommend, rows_per_micro_batch, strategies
 from .report import format_options, format_recommendation
 from .timeline import Phase, StepTimeline
 from .traffic import bytes_per_step
@@ -32,10 +34,15 @@ from .zero import zero_stage_bytes
 
 __all__ = [
     "BYTES",
+    "CHOICE_RULE",
     "ActivationProfile",
     "Costs",
     "Option",
     "cheapest",
+    "choose",
+    "closest",
+    "format_answer",
+    "format_nothing_fits",
     "format_options",
     "options",
     "Headroom",
@@ -54,5 +61,6 @@ __all__ = [
     "profile",
     "recommend",
     "rows_per_micro_batch",
+    "strategies",
     "zero_stage_bytes",
 ]

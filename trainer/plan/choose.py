@@ -1,19 +1,21 @@
-"""The planner chooses: every combination of the memory levers, what each costs a step, the
-cheapest that fits the device and the host.
+"""The planner chooses: every combination of the memory levers, what each costs a step, and the
+one answer: the fastest predicted step among the configurations that fit the device and the host.
 
-    from trainer.plan.choose import options, cheapest
-    best = cheapest(cfg, world_size=8, device_memory_bytes=80 * 2**30)
-    best.overrides       # ('optim.state_dtype=bfloat16', 'sharding.offload=optimizer', ...)
+    from trainer.plan.choose import options, choose
+    opts = options(cfg, world_size=8, device_memory_bytes=80 * 2**30, strategies=...)
+    best = choose(opts)  # or choose(opts, step_times) with another model's seconds per step
+    best.overrides       # ('sharding.strategy=SHARD_GRAD_OP', 'optim.state_dtype=bfloat16', ...)
     best.step_s          # seconds per step: compute + recompute + PCIe + host step + network
 
-    python -m cluster.plan model=70b cluster.num_workers=8 device_memory_gb=80   # the table
+    python -m cluster.plan model=70b cluster.num_workers=8 device_memory_gb=80   # the answer
     check_fits(cfg, 8, 80 * 2**30, host_memory_bytes=2**40)  # before workers: or ConfigError
 
-The candidates: activation checkpointing off/on, train.micro_batches (the configured count and
-every power of two up to the worker's sequences; with more than one, sharded gradient
+The candidates: the sharding strategy (as configured, or every one that differs at this world
+size: `strategies`), activation checkpointing off/on, train.micro_batches (the configured count
+and every power of two up to the worker's sequences; with more than one, sharded gradient
 accumulation off/on), optim.state_dtype, sharding.master_dtype, sharding.offload none |
 optimizer | params, and in-memory snapshots as configured or off (train.snapshot_every=0: a host
-memory lever). The strategy and the dtypes of compute and reduction stay as configured.
+memory lever). The dtypes of compute and reduction stay as configured.
 
 What a candidate costs is an estimate of its step time (levers.py states each rate):
   compute    flops_per_token x the worker's tokens / compute_tflops (the same for every candidate,
@@ -26,10 +28,9 @@ What a candidate costs is an estimate of its step time (levers.py states each ra
              its workers
   network    the bytes the worker sends per step (traffic.py) / network_gbs: more micro-batches
              gather more often, sharded accumulation reduces every micro-batch
-None is taken as overlapped with compute, so the sum is an upper bound. The cheapest fitting
-candidate has the least overhead (everything but compute); among equal overheads, the one with
-the milder levers (bf16 moments before bf16 master, snapshots kept before snapshots off), then
-the fewest bytes on the network, no recomputation, fewer micro-batches and the least memory.
+None is taken as overlapped with compute, so the sum is an upper bound. The choice is one
+function, `choose`, given the candidates and their predicted step times (CHOICE_RULE): another
+step-time model replaces `price`, or hands its own times to `choose`, and the rule stays.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-from trainer.config import STATE_DTYPES, ConfigError, TrainerConfig
+from trainer.config import STATE_DTYPES, ConfigError, ShardingStrategy, TrainerConfig
 from trainer.data import rank_range
 from trainer.fsdp.config import Offload
 from trainer.model import count_params, flops_per_token
@@ -56,9 +57,20 @@ LEVER_WEIGHT = {
     "optim.state_dtype=bfloat16": 1,  # bf16 moments: the update is still computed in fp32
     "sharding.master_dtype=bfloat16": 2,  # bf16 master: rounding keeps small updates, mostly
     "train.snapshot_every=0": 4,  # no in-memory snapshots: a lost node costs the last checkpoint
+    "sharding.offload=optimizer": 8,  # host memory, PCIe copies and a host optimizer step
+    "sharding.offload=params": 16,  # the same, and every gather copies its shard in
 }
-"""How reluctantly a lever with no step-time cost is used: ties on overhead go to the lower sum.
-The offload levels are priced in seconds (PCIe, host step) and weigh nothing here."""
+"""How reluctantly a lever is used where the predicted step times tie: the lower sum wins (each
+weight is more than all lighter ones together, so the heaviest lever decides). The offloads are
+priced in seconds too (PCIe, host step): with this module's estimate they never tie with the
+device's levers; the weights keep the rule's answer sensible under a step-time model that
+does not price them."""
+
+CHOICE_RULE = (
+    "the fastest predicted step that fits, ties to the mildest memory levers, then fewer "
+    "micro-batches, then the least device memory"
+)
+"""The one rule `choose` applies, in the words the planner prints."""
 
 
 @dataclass(frozen=True)
@@ -101,19 +113,45 @@ class Option:
         out.append(f"train.micro_batches={p.micro_batches}")
         if p.sharded_grad_accumulation:
             out.append("sharding.sharded_grad_accumulation=true")
-        return self.levers + tuple(out)
+        return (f"sharding.strategy={p.strategy}",) + self.levers + tuple(out)
 
-    def sort_key(self) -> tuple:
+    @property
+    def shortfall(self) -> float:
+        """How far from fitting: the larger of the device's excess over its usable memory (as a
+        fraction of the device) and the node's excess over its host memory (as a fraction of
+        the host); 0 when it fits."""
         p = self.plan
-        weight = sum(LEVER_WEIGHT.get(lever, 0) for lever in self.levers)
-        return (
-            round(self.overhead_s, 6),
-            weight,
-            p.total_bytes_moved,
-            p.activation_checkpointing,
-            p.micro_batches,  # fewer, larger micro-batches run more efficiently (not priced)
-            p.total,
-        )
+        device = max(0, p.total - p.usable) / p.device_memory_bytes
+        host = 0.0 if p.fits_host else (p.host_per_node - p.host_memory_bytes) / p.host_memory_bytes
+        return max(device, host)
+
+
+def rank_key(o: Option, step_s: float) -> tuple:
+    """CHOICE_RULE as a sort key, for a candidate whose predicted step takes `step_s`."""
+    weight = sum(LEVER_WEIGHT.get(lever, 0) for lever in o.levers)
+    # fewer, larger micro-batches run more efficiently (not priced)
+    return (round(step_s, 6), weight, o.plan.micro_batches, o.plan.total)
+
+
+def choose(candidates: list[Option], step_times: Optional[list[float]] = None) -> Optional[Option]:
+    """The one answer: by CHOICE_RULE among the candidates that fit, given each candidate's
+    predicted step time (step_times, in the candidates' order; None: their own `step_s`, the
+    estimate of `price`). None when nothing fits."""
+    times = [o.step_s for o in candidates] if step_times is None else list(step_times)
+    if len(times) != len(candidates):
+        raise ValueError(f"{len(times)} step times for {len(candidates)} candidates")
+    fitting = [(rank_key(o, t), i) for i, (o, t) in enumerate(zip(candidates, times)) if o.fits]
+    return candidates[min(fitting)[1]] if fitting else None
+
+
+def closest(candidates: list[Option]) -> Optional[Option]:
+    """Where nothing fits, the candidate nearest to fitting (least `shortfall`, then by
+    CHOICE_RULE); None without candidates."""
+    return min(candidates, key=_nearness, default=None)
+
+
+def _nearness(o: Option) -> tuple:
+    return (o.shortfall, rank_key(o, o.step_s))
 
 
 def options(
@@ -125,11 +163,14 @@ def options(
     headroom: bool = True,
     host_memory_bytes: Optional[int] = int(DEFAULT_HOST_MEMORY_GB * GiB),
     costs: Costs = Costs(),
+    strategies: Optional[list[ShardingStrategy]] = None,
 ) -> list[Option]:
-    """Every candidate (module docstring), those that fit device and host first, cheapest
-    first; then those that do not, least device memory first."""
+    """Every candidate (module docstring): those that fit device and host first, in the order of
+    CHOICE_RULE (the first is `choose`'s answer); then those that do not, nearest to fitting
+    first. strategies: the sharding strategies to try (None: the configured one;
+    planner.strategies: every one that differs at this world size)."""
     out = []
-    for cand, snapshots_off in _candidates(cfg, world_size, gpu_workers=headroom):
+    for cand, snapshots_off in _candidates(cfg, world_size, headroom, strategies):
         p = plan(
             cand,
             world_size,
@@ -139,8 +180,8 @@ def options(
             host_memory_bytes=host_memory_bytes,
         )
         out.append(price(p, cand, snapshots_off, costs))
-    fitting = sorted((o for o in out if o.fits), key=Option.sort_key)
-    rest = sorted((o for o in out if not o.fits), key=lambda o: (o.plan.total, o.sort_key()))
+    fitting = sorted((o for o in out if o.fits), key=lambda o: rank_key(o, o.step_s))
+    rest = sorted((o for o in out if not o.fits), key=_nearness)
     return fitting + rest
 
 
@@ -151,17 +192,18 @@ def cheapest(
     local_world_size: int = 8,
     **kwargs,
 ) -> Optional[Option]:
-    """The cheapest candidate that fits the device and the host, or None."""
-    first = options(cfg, world_size, device_memory_bytes, local_world_size, **kwargs)[0]
-    return first if first.fits else None
+    """`choose`'s answer among `options` (the same keywords), or None when nothing fits."""
+    return choose(options(cfg, world_size, device_memory_bytes, local_world_size, **kwargs))
 
 
 def best_per_levers(opts: list[Option]) -> list[Option]:
-    """For each combination of memory levers, its cheapest fitting candidate (or, where none
-    fits, its smallest): one row per combination, in the order of `options`."""
+    """For each combination of the device's memory levers (moments, master, offload), its first
+    candidate in the order of `options` (the answer's rule where one fits, else the nearest to
+    fitting): one row per combination. Snapshots are not a row of their own: turning them off
+    changes host memory only, so a row turns them off only where the host needs it."""
     seen: dict[tuple, Option] = {}
     for o in opts:
-        seen.setdefault(o.levers, o)
+        seen.setdefault(o.plan.levers, o)
     return list(seen.values())
 
 
@@ -195,30 +237,37 @@ def micro_batch_choices(cfg: TrainerConfig, world_size: int) -> list[int]:
     return sorted(out)
 
 
-def _candidates(cfg: TrainerConfig, world_size: int, gpu_workers: bool):
+def _candidates(
+    cfg: TrainerConfig,
+    world_size: int,
+    gpu_workers: bool,
+    strategies: Optional[list[ShardingStrategy]],
+):
     snapshots = (False, True) if cfg.train.snapshots_on(gpu_workers) else (False,)
-    for micro in micro_batch_choices(cfg, world_size):
-        accumulations = (False, True) if micro > 1 else (False,)
-        for ac, acc, state, master, offload, snap_off in itertools.product(
-            (False, True), accumulations, STATE_DTYPES, MASTER_DTYPES, OFFLOAD_LEVELS, snapshots
-        ):
-            sharding = dataclasses.replace(
-                cfg.sharding,
-                activation_checkpointing=ac,
-                sharded_grad_accumulation=acc,
-                master_dtype=master,
-                offload=offload,
-            )
-            train = dataclasses.replace(
-                cfg.train,
-                micro_batches=micro,
-                **({"snapshot_every": 0} if snap_off else {}),
-            )
-            optim = dataclasses.replace(cfg.optim, state_dtype=state)
-            yield (
-                dataclasses.replace(cfg, sharding=sharding, train=train, optim=optim),
-                snap_off,
-            )
+    for strategy in strategies or [cfg.sharding.strategy]:
+        for micro in micro_batch_choices(cfg, world_size):
+            accumulations = (False, True) if micro > 1 else (False,)
+            for ac, acc, state, master, offload, snap_off in itertools.product(
+                (False, True), accumulations, STATE_DTYPES, MASTER_DTYPES, OFFLOAD_LEVELS, snapshots
+            ):
+                sharding = dataclasses.replace(
+                    cfg.sharding,
+                    strategy=strategy,
+                    activation_checkpointing=ac,
+                    sharded_grad_accumulation=acc,
+                    master_dtype=master,
+                    offload=offload,
+                )
+                train = dataclasses.replace(
+                    cfg.train,
+                    micro_batches=micro,
+                    **({"snapshot_every": 0} if snap_off else {}),
+                )
+                optim = dataclasses.replace(cfg.optim, state_dtype=state)
+                yield (
+                    dataclasses.replace(cfg, sharding=sharding, train=train, optim=optim),
+                    snap_off,
+                )
 
 
 def check_fits(
@@ -291,7 +340,7 @@ def lever_advice(opts: list[Option]) -> str:
         )
     lines = [
         "Memory levers that make it fit, cheapest first (step-time estimate, python -m "
-        "cluster.plan for the table):"
+        "cluster.plan --table for the table):"
     ]
     for o in fitting:
         p = o.plan

@@ -6,7 +6,8 @@
     best = recommend(cfg, 64, 80 * 2**30)[0]     # fits, moves the fewest bytes
     plan(cfg, 8, 64 * 2**30, headroom=False)    # against the whole memory (CPU workers)
 
-The memory levers and the check before workers start (check_fits) are choose.py's.
+The memory levers, the one answer and the check before workers start (check_fits) are
+choose.py's.
 
 The state terms are the engine's own (layout.py), activations are measured on fake tensors
 (activations.py), the step's phases follow the engine's schedule (timeline.py) and the bytes on
@@ -306,7 +307,7 @@ def candidates(
     out = []
     accumulations = (False, True) if cfg.train.micro_batches > 1 else (False,)
     for strategy, ac, sharded, offload in itertools.product(
-        _strategies(cfg, world_size, local_world_size), (False, True), accumulations, OFFLOADS
+        strategies(cfg, world_size, local_world_size), (False, True), accumulations, OFFLOADS
     ):
         sharding = dataclasses.replace(
             cfg.sharding,
@@ -320,10 +321,14 @@ def candidates(
     return out
 
 
-def _strategies(
+def strategies(
     cfg: TrainerConfig, world_size: int, local_world_size: int
 ) -> list[ShardingStrategy]:
-    """HYBRID_SHARD only where it differs from the others: 1 < shard group < world size."""
+    """The strategies that differ at this world size: on one worker only the configured one (with
+    a shard group of one they are the same job: nothing sharded, nothing sent); HYBRID_SHARD only
+    where 1 < shard group < world size (otherwise it is FULL_SHARD or NO_SHARD)."""
+    if world_size == 1:
+        return [cfg.sharding.strategy]
     out = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
     try:
         hybrid = dataclasses.replace(cfg.sharding, strategy=ShardingStrategy.HYBRID_SHARD)

@@ -81,7 +81,7 @@ def format_plan(p: "MemoryPlan") -> str:
         lines += [f"  {label:{WIDTH}} {size(n):>10}" for label, n in _usable_rows(p)]
         lines[-1] += f"   {_verdict(p)}"
     else:
-        of = f"of {_mem(p.device_memory_bytes)}: "
+        of = f"of {mem(p.device_memory_bytes)}: "
         lines.append(
             f"  {'peak, during ' + peak.name:{WIDTH}} {size(p.total):>10}   {of}{_verdict(p)}"
         )
@@ -90,7 +90,7 @@ def format_plan(p: "MemoryPlan") -> str:
         what = "optimizer" if p.offload_level == "optimizer" else "parameters and optimizer"
         lines.append(
             f"  host memory ({what} offloaded: master, gradients, AdamW state): "
-            f"{_mem(p.host_state)}, + {_mem(p.host_staging)} pinned gradient staging"
+            f"{mem(p.host_state)}, + {mem(p.host_staging)} pinned gradient staging"
         )
         lines.append(
             f"  over PCIe per step: {_wire(p.pcie['host_to_device'])} host to device, "
@@ -99,19 +99,19 @@ def format_plan(p: "MemoryPlan") -> str:
     if p.snapshot_host:
         lines.append(
             f"  host memory for in-memory snapshots (train.snapshot_every): "
-            f"{_mem(p.snapshot_host)} per worker (a staging copy of its shard state and its "
+            f"{mem(p.snapshot_host)} per worker (a staging copy of its shard state and its "
             "share of the keepers' 2 copies x 2 generations)"
         )
     lines.append(
-        f"  activations alone at their peak: {_mem(p.activations_without_checkpointing)} without "
-        f"checkpointing, {_mem(p.activations_with_checkpointing)} with"
+        f"  activations alone at their peak: {mem(p.activations_without_checkpointing)} without "
+        f"checkpointing, {mem(p.activations_with_checkpointing)} with"
     )
     if p.host_memory_bytes is not None:
         verdict = "fits" if p.fits_host else "DOES NOT FIT"
         lines.append(
             f"  host memory per node: {p.workers_per_node} workers x "
-            f"{_mem(p.host_per_worker)} = {_mem(p.host_per_node)} of "
-            f"{_mem(p.host_memory_bytes)}: {verdict}"
+            f"{mem(p.host_per_worker)} = {mem(p.host_per_node)} of "
+            f"{mem(p.host_memory_bytes)}: {verdict}"
         )
     moved = ", ".join(f"{op.replace('_', '-')} {_wire(b)}" for op, b in p.bytes_moved.items() if b)
     lines.append(
@@ -125,7 +125,7 @@ def format_recommendation(options: list["MemoryPlan"], configured: "MemoryPlan")
     """Each option's peak against the memory usable for tensors: the device's less that option's
     headroom (its NCCL communicators and fragmentation margin differ)."""
     head = (
-        f"On {configured.world_size} workers of {_mem(configured.device_memory_bytes)} "
+        f"On {configured.world_size} workers of {mem(configured.device_memory_bytes)} "
         f"(params {configured.param_dtype}, reduce {configured.reduce_dtype}, "
         f"micro-batch {configured.rows} x {configured.seq_len}):"
     )
@@ -159,10 +159,10 @@ def format_recommendation(options: list["MemoryPlan"], configured: "MemoryPlan")
 def usable_memory(p: "MemoryPlan") -> str:
     """What the plan's peak must fit in, for an error message."""
     if not p.headroom.total:
-        return f"the device's {_mem(p.device_memory_bytes)}"
+        return f"the device's {mem(p.device_memory_bytes)}"
     return (
-        f"the {_mem(p.usable)} usable for tensors of the device's {_mem(p.device_memory_bytes)} "
-        f"(less {_mem(p.headroom.total)} for the CUDA context, NCCL buffers and fragmentation)"
+        f"the {mem(p.usable)} usable for tensors of the device's {mem(p.device_memory_bytes)} "
+        f"(less {mem(p.headroom.total)} for the CUDA context, NCCL buffers and fragmentation)"
     )
 
 
@@ -186,8 +186,8 @@ def _usable_rows(p: "MemoryPlan") -> list[tuple[str, int]]:
 
 def _peak_of(o: "MemoryPlan") -> str:
     if not o.headroom.total:
-        return f"{_mem(o.total)} peak"
-    return f"{_mem(o.total)} peak of {_mem(o.usable)} usable"
+        return f"{mem(o.total)} peak"
+    return f"{mem(o.total)} peak of {mem(o.usable)} usable"
 
 
 def _short(dtype: str) -> str:
@@ -211,8 +211,14 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _mem(n: int) -> str:
+def mem(n: int) -> str:
+    """Bytes as memory is reported: GiB (2^30), or MiB below one GiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def duration(seconds: float) -> str:
+    """A step time: 29.14 s, 577 ms, 1.27 ms."""
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
 def _wire(n: int) -> str:
@@ -222,67 +228,48 @@ def _wire(n: int) -> str:
 def _verdict(p: "MemoryPlan") -> str:
     """The peak against the usable memory (the whole device without headroom)."""
     if p.fits:
-        return f"fits ({_mem(p.usable - p.total)} free)"
-    return f"DOES NOT FIT (short by {_mem(p.total - p.usable)})"
+        return f"fits ({mem(p.usable - p.total)} free)"
+    return f"DOES NOT FIT (short by {mem(p.total - p.usable)})"
 
 
 def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -> str:
-    """A row per option of `rows` (choose.best_per_levers: one per combination of memory levers)
-    with the device and host memory per worker, the bytes over PCIe and the step-time estimate;
-    then the cheapest that fits, as overrides. `opts` is choose.options' whole list."""
+    """The table: a row per option of `rows` (choose.best_per_levers: one per combination of the
+    device's memory levers) with its strategy, device and host memory per worker, the bytes over
+    PCIe and the step-time estimate. `opts` is choose.options' whole list."""
     first = opts[0].plan
-    host = "" if first.host_memory_bytes is None else f", {_mem(first.host_memory_bytes)} host"
+    host = "" if first.host_memory_bytes is None else f", {mem(first.host_memory_bytes)} host"
+    unit, name = (GiB, "GiB") if max(o.plan.total for o in rows) >= GiB else (MiB, "MiB")
     lines = [
-        f"Memory levers on {first.world_size} workers of {_mem(first.device_memory_bytes)}"
+        f"Memory levers on {first.world_size} workers of {mem(first.device_memory_bytes)}"
         f"{host} per node of {first.workers_per_node} workers (micro-batches of "
         f"{first.seq_len} tokens); step time at {costs.compute_tflops:g} TFLOP/s, PCIe "
         f"{costs.pcie_gbs:g} GB/s, network {costs.network_gbs:g} GB/s, host memory "
         f"{costs.host_bandwidth_gbs:g} GB/s per node, nothing overlapped:",
         "",
-        f"  {'levers':<60} {'ckpt':>4} {'micro':>5} {'device':>13} {'host/worker':>11} "
-        f"{'host/node':>10} {'PCIe/step':>9} {'step s':>7}  verdict",
+        f"  {'levers':<58} {'strategy':<13} {'ckpt':>4} {'micro':>5} {'device':>15} "
+        f"{'host/worker':>11} {'host/node':>10} {'PCIe/step':>9} {'step':>9}  verdict",
     ]
     for o in rows:
         p = o.plan
         micro = f"{p.micro_batches}{'s' if p.sharded_grad_accumulation else ''}"
-        device = f"{_gib(p.total)}+{_gib(p.headroom.total)}"
+        device = f"{_fig(p.total / unit)}+{_fig(p.headroom.total / unit)}"
         lines.append(
-            f"  {_lever_names(o):<60} {'on' if p.activation_checkpointing else 'off':>4} "
-            f"{micro:>5} {device:>13} {_gib(p.host_per_worker):>11} {_gib(p.host_per_node):>10} "
-            f"{p.pcie_bytes / 1e9:>8.1f}G {o.step_s:>7.2f}  {_fit_word(o)}"
+            f"  {_lever_names(o):<58} {p.strategy:<13} "
+            f"{'on' if p.activation_checkpointing else 'off':>4} {micro:>5} {device:>15} "
+            f"{_fig(p.host_per_worker / GiB):>11} {_fig(p.host_per_node / GiB):>10} "
+            f"{p.pcie_bytes / 1e9:>8.1f}G {duration(o.step_s):>9}  {_fit_word(o)}"
         )
     n_fit = sum(o.fits for o in opts)
     lines += [
         "",
-        "  device: the step's peak + headroom (CUDA context, NCCL, fragmentation), GiB; host in "
-        "GiB;",
-        "  micro: micro-batches per step (s: sharded gradient accumulation); each row is its "
-        f"levers' cheapest; {n_fit} of {len(opts)} configurations fit.",
-        "",
-        cheapest_line(opts),
+        f"  device: the step's peak + headroom (CUDA context, NCCL, fragmentation), {name}; host "
+        "in GiB; micro: micro-batches per step (s: sharded gradient accumulation);",
+        "  a row is a combination of the device's memory levers, with its best strategy, "
+        "checkpointing and micro-batches by the recommendation's rule (the first row is the "
+        "recommendation where one fits);",
+        f"  no snapshots only where the host needs it; {n_fit} of {len(opts)} configurations fit.",
     ]
     return "\n".join(lines)
-
-
-def cheapest_line(opts: list["Option"]) -> str:
-    """'cheapest that fits: <overrides>' with its figures, or what fits nowhere."""
-    best = opts[0] if opts and opts[0].fits else None
-    if best is None:
-        return (
-            "nothing fits: more workers, a larger device, more host memory, fewer sequences per "
-            "micro-batch or a shorter data.seq_len"
-        )
-    p = best.plan
-    host = f"host {_mem(p.host_per_node)} per node" + (
-        "" if p.host_memory_bytes is None else f" of {_mem(p.host_memory_bytes)}"
-    )
-    return (
-        f"cheapest that fits: {' '.join(best.overrides)}\n"
-        f"  device {_mem(p.total)} peak ({_mem(p.total + p.headroom.total)} with headroom) of "
-        f"{_mem(p.device_memory_bytes)}; {host}; step ~{best.step_s:.2f} s = compute "
-        f"{best.compute_s:.2f} + recompute {best.recompute_s:.2f} + PCIe {best.pcie_s:.2f} + host "
-        f"step {best.host_step_s:.2f} + network {best.network_s:.2f}"
-    )
 
 
 def _lever_names(o: "Option") -> str:
@@ -306,5 +293,6 @@ def _fit_word(o: "Option") -> str:
     return "over on " + " and ".join(short)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f}"
+def _fig(x: float) -> str:
+    """About three significant figures: 0.08, 12.4, 464.7, 1067."""
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 1000 else f"{x:.0f}"
