@@ -6,9 +6,14 @@
     python -m trainer.data train-tokenizer data.source=corpus/ data.format=jsonl \\
         --vocab-size 32000 --out tokenizer.json
     python -m trainer.data prepare data.source=corpus/ data.tokenizer=tokenizer.json
+    python -m trainer.data prepare data=chat data.source=sft.jsonl \\
+        data.tokenizer=/models/Qwen2.5-0.5B-Instruct/tokenizer.json    # what data=chat trains on
 
-`data.<key>=<value>` arguments set the fields of trainer.config.DataConfig, as on the training
-command line. Exit codes: 0 fine, 1 a problem found (inspect --verify), 2 usage or input error.
+`data=<option>` (chat, jsonl, parquet, text, stdlib: conf/data/) and `data.<key>=<value>`
+arguments compose the fields of trainer.config.DataConfig as the training command line does
+(groups.py), so a preparation made here is the one `python -m cluster.train` with the same
+arguments finds. Exit codes: 0 fine, 1 a problem found (inspect --verify), 2 usage or input
+error.
 """
 
 from __future__ import annotations
@@ -16,48 +21,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import typing
 
 from trainer import storage
 from trainer.config import ConfigError, DataConfig
 
 from .dataset import MANIFEST, DataError, PreparedData
+from .groups import data_config
 from .packing import efficiency
-from .preparation import plan_preparation, prepare
+from .preparation import plan_preparation, prepare, size_text
 from .sources import Counts, read_documents
 from .tokenizer import load_tokenizer, train_tokenizer
-
-
-def data_config(assignments: list[str]) -> DataConfig:
-    """DataConfig from `data.key=value` arguments (typed by the dataclass's fields)."""
-    hints = typing.get_type_hints(DataConfig)
-    values = {}
-    for arg in assignments:
-        key, sep, value = arg.partition("=")
-        name = key.removeprefix("data.")
-        if not sep or not key.startswith("data.") or name not in hints or name == "mix":
-            valid = ", ".join(
-                f"data.{f.name}" for f in dataclasses.fields(DataConfig) if f.name != "mix"
-            )
-            raise ConfigError(
-                f"invalid argument {arg!r}; valid: data.<key>=<value> with a key of {valid}"
-            )
-        values[name] = _typed(name, value, hints[name])
-    cfg = DataConfig(**values)
-    cfg.validate()
-    return cfg
-
-
-def _typed(name: str, value: str, hint):
-    kind = next((t for t in (int, float, bool) if hint in (t, typing.Optional[t])), str)
-    if value in ("null", "None") and typing.get_origin(hint) is typing.Union:
-        return None
-    try:
-        return {"true": True, "false": False}[value.lower()] if kind is bool else kind(value)
-    except (ValueError, KeyError):
-        raise ConfigError(
-            f"invalid config: data.{name}={value!r}; valid: a {kind.__name__}"
-        ) from None
 
 
 def cmd_inspect(path: str, verify: bool) -> int:
@@ -92,8 +65,7 @@ def _inspect_one(path: str, verify: bool) -> int:
     print(f"settings:   {m.settings}")
     for i, s in enumerate(m.sources):
         print(
-            f"source {i}:   {s.name} ({s.format}, {s.files:,} files, "
-            f"{s.input_bytes / 2**20:,.1f} MiB in)"
+            f"source {i}:   {s.name} ({s.format}, {s.files:,} files, {size_text(s.input_bytes)} in)"
         )
         for split, index in s.splits.items():
             if index.shards:
@@ -209,6 +181,12 @@ def cmd_prepare(cfg: DataConfig) -> int:
         f"data: {info.num_tokens:,} tokens, {info.num_documents:,} documents from "
         f"{info.num_files:,} files in {info.uri} ({state})"
     )
+    if cfg.eval_fraction is None:  # data=chat's: what a run that never evaluates reads
+        print(
+            "data: nothing held out for evaluation (data.eval_fraction=null holds out 0.01 only "
+            "for a run with train.eval_every > 0; add data.eval_fraction=0.01 to prepare that "
+            "run's data)"
+        )
     return 0
 
 
@@ -223,12 +201,12 @@ def main(argv=None) -> int:
     ins.add_argument("path")
     ins.add_argument("--verify", action="store_true", help="read every shard and check its crc32")
     tt = sub.add_parser("train-tokenizer", help="a byte-level BPE tokenizer.json from a source")
-    tt.add_argument("data", nargs="+", help="data.source=... and other data.* settings")
+    tt.add_argument("data", nargs="+", help="data=<option>, data.source=..., other data.*")
     tt.add_argument("--vocab-size", type=int, required=True)
     tt.add_argument("--out", required=True, help="where to write tokenizer.json (path or URI)")
     tt.add_argument("--max-documents", type=int, default=0, help="train on the first N (0 = all)")
     pr = sub.add_parser("prepare", help="tokenize into data.prepared_dir, in this process")
-    pr.add_argument("data", nargs="+", help="data.source=... and other data.* settings")
+    pr.add_argument("data", nargs="+", help="data=<option>, data.source=..., other data.*")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":

@@ -76,12 +76,22 @@ def run_in_process(plan: Plan, units: list[WorkUnit], log=print) -> list[dict]:
         now = time.monotonic()
         if now - shown > 5 or i == len(units) - 1:
             shown = now
-            rate = done_bytes / max(now - start, 1e-9) / 2**20
+            rate = done_bytes / max(now - start, 1e-9)
             log(
-                f"prepare: {i + 1}/{len(units)} units, {done_bytes / 2**20:.1f} of "
-                f"{total / 2**20:.1f} MiB of input ({rate:.1f} MiB/s)"
+                f"prepare: {i + 1}/{len(units)} units, {size_text(done_bytes)} of "
+                f"{size_text(total)} of input ({size_text(rate)}/s)"
             )
     return records
+
+
+def size_text(nbytes: float) -> str:
+    """A size as people read it: '10.3 KiB', '2.0 GiB' (a chat corpus of a few hundred
+    conversations is well under the 0.05 MiB that a fixed MiB figure shows as 0.0)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:,.0f} bytes" if unit == "bytes" else f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    return ""  # not reached
 
 
 def find_prepared(plan: Plan) -> Optional[Manifest]:
@@ -123,7 +133,7 @@ def prepare(
                 f"prepare: resuming {plan.root}: {len(plan.units) - len(todo)} of "
                 f"{len(plan.units)} units are done already"
             )
-        records = (runner or run_in_process)(plan, todo)
+        records = runner(plan, todo) if runner else run_in_process(plan, todo, log)
         manifest = assemble(plan, _all_records(plan, records))
         storage.write_atomic(plan.root.child(MANIFEST), manifest.to_json())
     info = _info(plan, manifest, created)
