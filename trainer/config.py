@@ -141,15 +141,20 @@ class DataConfig:
     """Several sources with weights, instead of data.source."""
     tokenizer: str = "byte"
     """'byte' (256 byte values, end of document = 0) or a Hugging Face tokenizer.json (path or
-    pyarrow.fs URI); `python -m trainer.data train-tokenizer` makes one."""
+    pyarrow.fs URI); `python -m trainer.data train-tokenizer` makes one. With model=hf, unset
+    or 'byte' means model.hf_path's own tokenizer.json when it has one
+    (trainer/data/run_defaults.py)."""
     eod_token: Optional[str] = None
     """The tokenizer's end-of-document token; None finds it by its usual names."""
     prepared_dir: str = "data/prepared"
     """Where the token shards and their manifest are written and read (a path or URI)."""
     max_bytes: int = 0
     """Cap on the input bytes taken from each source when preparing (0 = no cap)."""
-    eval_fraction: float = 0.0
-    """Documents held out for evaluation, chosen by a hash of their content (0 = none)."""
+    eval_fraction: Optional[float] = 0.0
+    """Documents held out for evaluation, chosen by a hash of their content (0 = none). null
+    (data=chat's): 0.01 when the run evaluates (train.eval_every > 0), none when it does not, so
+    a run that never evaluates trains on every conversation (`for_run`; the preparation's digest
+    holds the number used)."""
     eval_sequences: int = 64
     """Sequences of the held-out documents that train.eval_every evaluates (a fixed set)."""
     seq_len: int = 128
@@ -173,8 +178,9 @@ class DataConfig:
     completion_column: str = "completion"
     """chat: the completion of a prompt/completion record."""
     chat_template: Optional[str] = None
-    """chat: a Jinja chat template (a file, a URI or the template itself); None takes the
-    `chat_template` of the tokenizer_config.json beside data.tokenizer."""
+    """chat: a Jinja chat template (a file, a URI or the template itself); None takes the one
+    saved beside data.tokenizer: chat_template.jinja (transformers 5 saves it there, and reads it
+    first), else tokenizer_config.json's `chat_template`, else chat_template.json's."""
     eot_token: Optional[str] = None
     """chat: the token that ends an assistant turn (trained on, and where generation stops);
     None takes the tokenizer_config.json's eos_token."""
@@ -196,8 +202,14 @@ class DataConfig:
             fail("data.seq_len", self.seq_len, "a positive integer")
         if self.max_bytes < 0:
             fail("data.max_bytes", self.max_bytes, "an integer >= 0 (0 = no cap)")
-        if not finite(self.eval_fraction) or not 0 <= self.eval_fraction < 1:
-            fail("data.eval_fraction", self.eval_fraction, "a number in [0, 1)")
+        if self.eval_fraction is not None and (
+            not finite(self.eval_fraction) or not 0 <= self.eval_fraction < 1
+        ):
+            fail(
+                "data.eval_fraction",
+                self.eval_fraction,
+                "a number in [0, 1), or null (0.01 when the run evaluates, else none)",
+            )
         if self.eval_sequences <= 0:
             fail("data.eval_sequences", self.eval_sequences, "a positive integer")
         if self.prefetch_steps <= 0:
@@ -209,7 +221,12 @@ class DataConfig:
         for i, source in enumerate(self.mix):
             source.validate(f"data.mix[{i}]")
         if not self.tokenizer:
-            fail("data.tokenizer", self.tokenizer, "'byte' or the path/URI of a tokenizer.json")
+            fail(
+                "data.tokenizer",
+                self.tokenizer,
+                "'byte' or the path/URI of a tokenizer.json (the model's: "
+                "data.tokenizer=/models/X/tokenizer.json; model=hf takes model.hf_path's own)",
+            )
         if self.kind not in KINDS:
             fail("data.kind", self.kind, ", ".join(KINDS))
         if self.train_on not in TRAIN_ON:
@@ -220,11 +237,25 @@ class DataConfig:
             fail(
                 "data.tokenizer",
                 self.tokenizer,
-                "with data.kind=chat, a tokenizer.json (its special tokens end the turns)",
+                "with data.kind=chat, a tokenizer.json (its special tokens end the turns): "
+                "the model's, e.g. data.tokenizer=/models/X/tokenizer.json",
             )
         for key in ("messages_column", "prompt_column", "completion_column"):
             if not getattr(self, key):
                 fail(f"data.{key}", getattr(self, key), "a field or column name")
+
+    def for_run(self, evaluating: bool) -> "DataConfig":
+        """This data as a run reads it: eval_fraction null made 0.01 when the run evaluates
+        (train.eval_every > 0) and 0 when it does not; a number stays as it is."""
+        if self.eval_fraction is not None:
+            return self
+        return dataclasses.replace(self, eval_fraction=0.01 if evaluating else 0.0)
+
+    @property
+    def holdout(self) -> float:
+        """The fraction a preparation holds out: eval_fraction, null read as none (a run that
+        evaluates has made it a number: for_run)."""
+        return self.eval_fraction or 0.0
 
     def sources(self) -> list[SourceConfig]:
         """The sources, as a mix: data.mix, or data.source alone with weight 1."""

@@ -90,7 +90,7 @@ class Plan:
     def settings(self) -> dict:
         out = {
             "max_bytes": self.cfg.max_bytes,
-            "eval_fraction": self.cfg.eval_fraction,
+            "eval_fraction": self.cfg.holdout,
             "unit_bytes": UNIT_BYTES,
         }
         if self.is_chat:
@@ -149,7 +149,7 @@ def plan_preparation(cfg: DataConfig) -> Plan:
         tokenizer.digest,
         tokenizer.eod_id,
         cfg.max_bytes,
-        cfg.eval_fraction,
+        cfg.holdout,  # data=chat's null is 0 unless the run evaluates (DataConfig.for_run)
         UNIT_BYTES,
         listing,
     ]
