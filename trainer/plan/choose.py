@@ -120,10 +120,15 @@ class Option:
         """How far from fitting: the larger of the device's excess over its usable memory (as a
         fraction of the device) and the node's excess over its host memory (as a fraction of
         the host); 0 when it fits."""
+        return max(self.excess)
+
+    @property
+    def excess(self) -> tuple[float, float]:
+        """(device, host): each budget's excess as a fraction of it (0 where it fits)."""
         p = self.plan
         device = max(0, p.total - p.usable) / p.device_memory_bytes
         host = 0.0 if p.fits_host else (p.host_per_node - p.host_memory_bytes) / p.host_memory_bytes
-        return max(device, host)
+        return device, host
 
 
 def rank_key(o: Option, step_s: float) -> tuple:
@@ -145,13 +150,15 @@ def choose(candidates: list[Option], step_times: Optional[list[float]] = None) -
 
 
 def closest(candidates: list[Option]) -> Optional[Option]:
-    """Where nothing fits, the candidate nearest to fitting (least `shortfall`, then by
-    CHOICE_RULE); None without candidates."""
+    """Where nothing fits, the candidate nearest to fitting (least `shortfall`, then the least
+    excess on both budgets together, then by CHOICE_RULE); None without candidates."""
     return min(candidates, key=_nearness, default=None)
 
 
 def _nearness(o: Option) -> tuple:
-    return (o.shortfall, rank_key(o, o.step_s))
+    """The larger excess first, then both together (over on one budget is nearer than over on
+    two), then CHOICE_RULE."""
+    return (o.shortfall, sum(o.excess), rank_key(o, o.step_s))
 
 
 def options(
