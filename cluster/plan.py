@@ -25,7 +25,8 @@ Per world size (an elastic job, cluster.min_workers/max_workers, is planned at b
 configured job's breakdown, the assumptions (each with the key that sets it), and one line,
 `recommended: <overrides>`: among every sharding strategy, activation checkpointing, micro-batch
 count and memory lever (optim.state_dtype, sharding.master_dtype, sharding.offload, in-memory
-snapshots), the fastest predicted step that fits (the rule: trainer/plan/choose.py CHOICE_RULE).
+snapshots), the fastest predicted step that fits, ties within 5% to the mildest levers (the
+rule, printed with it: trainer/plan/choose.py CHOICE_RULE).
 Exit status 0 when the configured job or the recommendation fits at every world size it may
 have; 1 when nothing fits at one, with an `error:` line naming the closest configuration; 2 for
 an invalid config.
@@ -285,7 +286,8 @@ def plan_world(
         print(format_answer(best, opts, p))
     if table:
         print()
-        print(format_options(opts, best_per_levers(opts), costs))
+        rows = best_per_levers(([best] if best else []) + opts)  # the answer's row first
+        print(format_options(opts, rows, costs))
     print()
     if best is None:
         print(format_nothing_fits(opts), file=sys.stderr)

@@ -29,8 +29,10 @@ What a candidate costs is an estimate of its step time (levers.py states each ra
   network    the bytes the worker sends per step (traffic.py) / network_gbs: more micro-batches
              gather more often, sharded accumulation reduces every micro-batch
 None is taken as overlapped with compute, so the sum is an upper bound. The choice is one
-function, `choose`, given the candidates and their predicted step times (CHOICE_RULE): another
-step-time model replaces `price`, or hands its own times to `choose`, and the rule stays.
+function, `choose`, given the candidates and their predicted step times (CHOICE_RULE): the
+fastest that fits, with those within TIE_FRACTION of it tied and settled by the mildest levers
+(LEVER_WEIGHT), fewer micro-batches, the faster, the least device memory. Another step-time
+model replaces `price`, or hands its own times to `choose`, and the rule stays.
 """
 
 from __future__ import annotations
@@ -66,9 +68,14 @@ priced in seconds too (PCIe, host step): with this module's estimate they never 
 device's levers; the weights keep the rule's answer sensible under a step-time model that
 does not price them."""
 
+TIE_FRACTION = 0.05
+"""Predicted steps within this fraction of the fastest count as tied: the estimate is an upper
+bound from rates that are guesses (nothing overlapped), so a few percent is within its error,
+and not worth bf16 master weights or a tighter fit."""
+
 CHOICE_RULE = (
-    "the fastest predicted step that fits, ties to the mildest memory levers, then fewer "
-    "micro-batches, then the least device memory"
+    f"the fastest predicted step that fits; steps within {TIE_FRACTION:.0%} of it tie, and ties "
+    "go to the mildest memory levers, fewer micro-batches, the faster step, the least device memory"
 )
 """The one rule `choose` applies, in the words the planner prints."""
 
@@ -132,21 +139,30 @@ class Option:
 
 
 def rank_key(o: Option, step_s: float) -> tuple:
-    """CHOICE_RULE as a sort key, for a candidate whose predicted step takes `step_s`."""
+    """The order of `options`: the faster predicted step first; equal ones by CHOICE_RULE."""
+    return (round(step_s, 6),) + _mildness(o) + (o.plan.total,)
+
+
+def _mildness(o: Option) -> tuple:
+    """The mildest levers, then fewer micro-batches (fewer, larger micro-batches run more
+    efficiently: not priced)."""
     weight = sum(LEVER_WEIGHT.get(lever, 0) for lever in o.levers)
-    # fewer, larger micro-batches run more efficiently (not priced)
-    return (round(step_s, 6), weight, o.plan.micro_batches, o.plan.total)
+    return (weight, o.plan.micro_batches)
 
 
 def choose(candidates: list[Option], step_times: Optional[list[float]] = None) -> Optional[Option]:
-    """The one answer: by CHOICE_RULE among the candidates that fit, given each candidate's
+    """The one answer: CHOICE_RULE among the candidates that fit, given each candidate's
     predicted step time (step_times, in the candidates' order; None: their own `step_s`, the
     estimate of `price`). None when nothing fits."""
     times = [o.step_s for o in candidates] if step_times is None else list(step_times)
     if len(times) != len(candidates):
         raise ValueError(f"{len(times)} step times for {len(candidates)} candidates")
-    fitting = [(rank_key(o, t), i) for i, (o, t) in enumerate(zip(candidates, times)) if o.fits]
-    return candidates[min(fitting)[1]] if fitting else None
+    fitting = [(t, o) for o, t in zip(candidates, times) if o.fits]
+    if not fitting:
+        return None
+    fastest = min(t for t, _ in fitting)
+    tied = [(t, o) for t, o in fitting if t <= fastest + abs(fastest) * TIE_FRACTION]
+    return min(tied, key=lambda to: _mildness(to[1]) + (round(to[0], 6), to[1].plan.total))[1]
 
 
 def closest(candidates: list[Option]) -> Optional[Option]:
