@@ -221,9 +221,10 @@ def cheapest(
 
 def best_per_levers(opts: list[Option]) -> list[Option]:
     """For each combination of the device's memory levers (moments, master, offload), its first
-    candidate in the order of `options` (the answer's rule where one fits, else the nearest to
-    fitting): one row per combination. Snapshots are not a row of their own: turning them off
-    changes host memory only, so a row turns them off only where the host needs it."""
+    candidate in the order of `opts` (options': the fastest where one fits, else the nearest to
+    fitting; put `choose`'s answer first to have its row be the answer): one row per
+    combination. Snapshots are not a row of their own: turning them off changes host memory
+    only, so a row turns them off only where the host needs it."""
     seen: dict[tuple, Option] = {}
     for o in opts:
         seen.setdefault(o.plan.levers, o)

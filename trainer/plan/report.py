@@ -234,8 +234,9 @@ def _verdict(p: "MemoryPlan") -> str:
 
 def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -> str:
     """The table: a row per option of `rows` (choose.best_per_levers: one per combination of the
-    device's memory levers) with its strategy, device and host memory per worker, the bytes over
-    PCIe and the step-time estimate. `opts` is choose.options' whole list."""
+    device's memory levers; cluster/plan.py puts the answer first) with its strategy, device and
+    host memory per worker, the bytes over PCIe and the step-time estimate. `opts` is
+    choose.options' whole list."""
     first = opts[0].plan
     host = "" if first.host_memory_bytes is None else f", {mem(first.host_memory_bytes)} host"
     unit, name = (GiB, "GiB") if max(o.plan.total for o in rows) >= GiB else (MiB, "MiB")
@@ -264,9 +265,9 @@ def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -
         "",
         f"  device: the step's peak + headroom (CUDA context, NCCL, fragmentation), {name}; host "
         "in GiB; micro: micro-batches per step (s: sharded gradient accumulation);",
-        "  a row is a combination of the device's memory levers, with its best strategy, "
-        "checkpointing and micro-batches by the recommendation's rule (the first row is the "
-        "recommendation where one fits);",
+        "  a row is a combination of the device's memory levers, with its fastest strategy, "
+        "checkpointing and micro-batches that fit (else the nearest to fitting); the "
+        "recommendation's row comes first;",
         f"  no snapshots only where the host needs it; {n_fit} of {len(opts)} configurations fit.",
     ]
     return "\n".join(lines)
