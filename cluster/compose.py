@@ -25,6 +25,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from cluster.config import JobConfig
 from trainer.config import PRESETS, ConfigError, ModelConfig
+from trainer.data.run_defaults import with_run_defaults
 
 SCHEMA_NAME = "job_schema"
 
@@ -150,7 +151,7 @@ def to_job_config(dictcfg: DictConfig) -> JobConfig:
             f"composed config is {type(job).__name__}, not JobConfig: "
             f"conf/config.yaml must list '{SCHEMA_NAME}' first in its defaults"
         )
-    return job
+    return with_run_defaults(job)  # what data.* leaves to the rest of the job
 
 
 def check_known_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
