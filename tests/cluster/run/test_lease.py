@@ -304,7 +304,7 @@ def test_two_launches_of_one_name_started_together_one_trains_the_other_is_refus
     assert sorted(rcs) == [0, 2], outs
     loser = outs[rcs.index(2)]
     assert "cluster.run_name is in use" in loser or "claimed at the same moment" in loser, loser
-    assert "Started a local Ray instance" not in loser
+    assert "started a local Ray for this job" not in loser
     checkpoints = list_checkpoints(str(launch_dir / "runs" / "twice" / "checkpoints"))
     assert sorted(c.step for c in checkpoints) == [2, 4, 6]
     assert all(c.problem is None for c in checkpoints)
