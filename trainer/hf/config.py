@@ -21,13 +21,17 @@ from trainer.config import ConfigError, ModelConfig
 from trainer.hf.family import Family, refuse
 from trainer.hf.llama import LLAMA
 from trainer.hf.mistral import MISTRAL
+from trainer.hf.mixtral import MIXTRAL
 from trainer.hf.qwen2 import QWEN2
 from trainer.hf.qwen3 import QWEN3
+from trainer.hf.qwen3_moe import QWEN3_MOE
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, QWEN3_MOE, MIXTRAL)
+}
 """The supported families by config.json's model_type (= our ModelConfig.family)."""
 
 

@@ -1,6 +1,7 @@
 """What a model family provides to the interchange: its config.json mapping both ways, its
 tensor names and its parameter shapes. A family is one value (`llama.LLAMA`); the registry that
-looks one up by config.json's model_type is `config.FAMILIES` (llama, qwen2, qwen3, mistral). A
+looks one up by config.json's model_type is `config.FAMILIES` (llama, qwen2, qwen3, mistral,
+qwen3_moe, mixtral). A
 new family is a module defining one more `Family`, registered there: no function branches on it.
 """
 
@@ -13,6 +14,7 @@ import torch
 
 from trainer.config import ModelConfig, fail
 from trainer.hf.names import NameMap
+from trainer.hf.stacked import StackedNames
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Family:
     """(config, dtype, eos id or ids, bos id) -> the config.json transformers and vLLM read."""
     shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
     """Our model's parameters and their shapes, without building it."""
+    stacked: StackedNames = StackedNames([])
+    """A mixture's stacked expert tensors, each many of theirs (trainer/hf/stacked.py)."""
 
 
 def refuse(hf: dict, where: str, key: str, valid: str) -> NoReturn:

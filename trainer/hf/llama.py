@@ -149,15 +149,25 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             out.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
         p = f"layers.{i}."
-        out.update(
-            {
-                p + "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim),
-                p + "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
-                p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim),
-                p + "attention_norm.weight": (cfg.dim,),
-                p + "ffn_norm.weight": (cfg.dim,),
-            }
-        )
+        if i in cfg.sparse_layers:  # a mixture of experts: the router and the stacked experts
+            e, f = cfg.moe_experts, cfg.moe_ffn_dim
+            out.update(
+                {
+                    p + "moe.router.weight": (e, cfg.dim),
+                    p + "moe.experts.w1": (e, f, cfg.dim),
+                    p + "moe.experts.w3": (e, f, cfg.dim),
+                    p + "moe.experts.w2": (e, cfg.dim, f),
+                }
+            )
+        else:
+            out.update(
+                {
+                    p + "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim),
+                    p + "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
+                    p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim),
+                }
+            )
+        out.update({p + "attention_norm.weight": (cfg.dim,), p + "ffn_norm.weight": (cfg.dim,)})
     return out
 
 

@@ -22,6 +22,7 @@ from trainer import storage
 from trainer.config import ConfigError, ModelConfig
 from trainer.hf.config import expected_tensors, family_of
 from trainer.hf.names import is_rotary, rotary_rows
+from trainer.hf.stacked import Source, expected_shape
 from trainer.storage import Location
 
 SINGLE = "model.safetensors"
@@ -111,6 +112,8 @@ class HFWeights:
         self.family = family_of(cfg)
         self.st = Safetensors(path)
         self.expected = expected_tensors(cfg)
+        self.source: dict[str, str] = {}  # our tensor -> the name it has in this folder
+        self.stacked: dict[str, Source] = {}  # our stacked experts -> where they lie
         self.check()
 
     def check(self) -> None:
@@ -118,6 +121,10 @@ class HFWeights:
         names, seen = self.family.names, set()
         head = names.hf("output.weight")
         for name, info in self.st.tensors.items():
+            hits = self.family.stacked.match(name)
+            if hits:
+                seen.update(self._stacked(name, info, hit) for hit in hits)
+                continue
             ours = names.ours(name)
             if ours is None or (ours == "output.weight" and self.cfg.tie_embeddings):
                 if name == head and self.cfg.tie_embeddings:
@@ -138,20 +145,62 @@ class HFWeights:
                     f"{list(info.shape)}; the config says {list(want)}"
                 )
             seen.add(ours)
+            self.source[ours] = name
+        for fqn, source in self.stacked.items():  # per expert: every one of them
+            if not source.fused and len(source.names) != self.expected[fqn][0]:
+                lost = sorted(set(range(self.expected[fqn][0])) - set(source.names))
+                raise ConfigError(
+                    f"invalid data: {self.path}: experts {lost[:5]} of {fqn} are missing "
+                    f"(e.g. {source.stacked.per_expert[0].format(i=fqn.split('.')[1], e=lost[0])})"
+                )
         missing = sorted(set(self.expected) - seen)
         if missing:
             raise ConfigError(
                 f"invalid data: {self.path}: missing tensors "
-                f"{[names.hf(m) for m in missing[:5]]}{'...' if len(missing) > 5 else ''}"
+                f"{[self._hf_name(m) for m in missing[:5]]}{'...' if len(missing) > 5 else ''}"
             )
+
+    def _hf_name(self, fqn: str) -> str:
+        stacked = self.family.stacked
+        return stacked.describe(fqn) if stacked.of(fqn) else self.family.names.hf(fqn)
+
+    def _stacked(self, name: str, info: TensorInfo, hit) -> str:
+        """Record a tensor holding part of our stacked experts (checked against its expected
+        shape; one layout per tensor of ours); our tensor's name."""
+        want = self.expected.get(hit.fqn)
+        if want is None:
+            raise ConfigError(
+                f"invalid data: {self.path}: tensor {name!r} does not belong to a model of "
+                f"{self.cfg.n_layers} layers with experts in layers {list(self.cfg.sparse_layers)}"
+            )
+        shape = expected_shape(hit, want)
+        if tuple(info.shape) != shape:
+            raise ConfigError(
+                f"invalid data: {self.path}: tensor {name!r} has shape {list(info.shape)}; "
+                f"the config says {list(shape)}"
+            )
+        source = self.stacked.setdefault(hit.fqn, Source(hit.stacked, {}))
+        key = -1 if hit.layout == "fused" else hit.expert
+        if (key == -1) != source.fused and source.names:
+            raise ConfigError(
+                f"invalid data: {self.path}: {hit.fqn} is stored both per expert and fused "
+                f"({name!r}); valid: one layout (transformers 5 saves per expert)"
+            )
+        source.names[key] = name
+        return hit.fqn
 
     @property
     def bytes_read(self) -> int:
         return self.st.bytes_read
 
     def read(self, fqn: str, start: int, count: int) -> torch.Tensor:
-        name = self.family.names.hf(fqn)
         shape = self.expected[fqn]
+        if fqn in self.stacked:  # a few contiguous ranges, one per expert it touches
+            pieces = [
+                self.st.read(n, a, k) for n, a, k in self.stacked[fqn].ranges(shape, start, count)
+            ]
+            return torch.cat(pieces).float()
+        name = self.source.get(fqn) or self.family.names.hf(fqn)
         if not is_rotary(fqn):
             return self.st.read(name, start, count).float()
         cols = math.prod(shape[1:])  # 1 for a bias or a norm's weight

@@ -154,10 +154,11 @@ def export_hf(
         out = storage.resolve(out_dir)
         out.fs.create_dir(out.path, recursive=True)
         dtype = dtype or torch.float32
-        names = family_of(cfg).names
+        family = family_of(cfg)
         params = ordered_params(cfg)
         shapes = expected_tensors(cfg)
-        plan = [(names.hf(f), dtype, shapes[f]) for f in params]
+        tensors = {f: hf_tensors(family, f, shapes[f]) for f in params}
+        plan = [(name, dtype, shape) for f in params for name, shape in tensors[f]]
         writer = SafetensorsWriter(
             out, plan, max_shard_bytes, {"format": "pt", "step": reader.step}
         )
@@ -168,8 +169,10 @@ def export_hf(
                 hf = torch.empty_like(t)
                 hf[torch.from_numpy(rotary_rows(t.shape[0] // hd, hd))] = t
                 t = hf
-            writer.write(names.hf(fqn), t.to(dtype))
-            del t
+            pieces = t.unbind(0) if family.stacked.of(fqn) else (t,)  # experts: one each
+            for (name, _), piece in zip(tensors[fqn], pieces):
+                writer.write(name, piece.to(dtype))
+            del t, pieces
         files = writer.close()
         tok = reader.state.get("tokenizer") or {}
         source = reader.state.get(HF_SPECIAL_IDS) or {}
@@ -186,10 +189,18 @@ def export_hf(
     else:  # an import, or a run whose data named no tokenizer: the source's, as it was
         files += [CONFIG, GENERATION_CONFIG] + _copy_source_tokenizer(origin, out, log)
     log(
-        f"export: step {step}, {cfg.family} ({family_of(cfg).architecture}), {len(params)} "
+        f"export: step {step}, {cfg.family} ({family_of(cfg).architecture}), {len(plan)} "
         f"tensors in {dtype}, eos {eos}, bos {bos} -> {out_dir}: {', '.join(files)}"
     )
-    return {"step": step, "files": files, "tensors": len(params), "eos": eos, "bos": bos}
+    return {"step": step, "files": files, "tensors": len(plan), "eos": eos, "bos": bos}
+
+
+def hf_tensors(family, fqn: str, shape: tuple) -> list[tuple[str, tuple]]:
+    """The tensors an export writes for our parameter `fqn`: its Hugging Face name, or a
+    mixture's stacked experts one per expert under the family's published names."""
+    if family.stacked.of(fqn):
+        return [(n, tuple(shape[1:])) for n in family.stacked.export_names(fqn, shape[0])]
+    return [(family.names.hf(fqn), tuple(shape))]
 
 
 def serving_ids(tok: dict, source: dict) -> tuple[Optional[int], Optional[Union[int, list]]]:
