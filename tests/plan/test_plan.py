@@ -587,3 +587,27 @@ def test_the_logged_memory_plan_reserves_headroom_for_gpu_workers_only(
     ):
         assert (label in text) == use_gpu, label
     assert "fits" in text
+
+
+def test_mixture_presets_have_their_published_totals_and_the_planner_prices_the_expert_axis():
+    """Qwen3-30B-A3B (30.5B, 3.3B active) and Mixtral-8x7B (46.7B, 12.9B active); with
+    sharding.expert_parallel a worker holds its share of the experts, gathers and reduces them
+    over the ranks holding the same ones, and sends the token exchange."""
+    from trainer.model import count_params
+    from trainer.model.config import PRESETS
+
+    assert count_params(PRESETS["qwen3-30b-a3b"]) == 30_532_122_624
+    assert count_params(PRESETS["qwen3-30b-a3b"], active=True) == 3_353_032_704
+    assert count_params(PRESETS["mixtral-8x7b"]) == 46_702_792_704
+    assert count_params(PRESETS["mixtral-8x7b"], active=True) == 12_879_925_248
+    small = model_config("tiny", moe_experts=8, moe_top_k=2, moe_ffn_dim=64, moe_layers=[1, 3])
+    dense = job(model=small, global_batch=8, seq_len=64, strategy="FULL_SHARD")
+    spread = job(model=small, global_batch=8, seq_len=64, strategy="FULL_SHARD", expert_parallel=4)
+    a, b = plan(dense, 8, BIG, 8), plan(spread, 8, BIG, 8)
+    assert (a.experts_per_rank, b.experts_per_rank) == (8, 2)
+    assert a.num_params == b.num_params == count_params(small)
+    assert "all_to_all" not in a.bytes_moved and b.bytes_moved["all_to_all"] == (
+        2 * 4 * 64 * 2 * 3 // 4 * small.dim * 4  # layers x passes x tokens x k x 3/4 x D x fp32
+    )
+    # the experts are gathered over 2 ranks instead of 8: fewer all-gather bytes
+    assert b.bytes_moved["all_gather"] < a.bytes_moved["all_gather"]

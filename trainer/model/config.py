@@ -192,6 +192,49 @@ PRESETS: dict[str, ModelConfig] = {
     "8b": _llama3("8b", dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
     # Llama 3 70B shapes (70.6B parameters): `python -m cluster.plan model=70b` before renting.
     "70b": _llama3("70b", dim=8192, n_layers=80, n_heads=64, ffn_dim=28672),
+    # Qwen3-30B-A3B (huggingface.co/Qwen/Qwen3-30B-A3B config.json): 48 sparse layers of 128
+    # experts, 8 a token, 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b",
+        family="qwen3_moe",
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_dim=6144,
+        qk_norm=True,
+        max_seq_len=40960,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        moe_experts=128,
+        moe_top_k=8,
+        moe_ffn_dim=768,
+        moe_norm_topk=True,
+        router_aux_loss_coef=0.001,
+    ),  # fmt: skip
+    # Mixtral-8x7B (huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json): 32 sparse layers of
+    # 8 experts, 2 a token, 46.7B parameters, 12.9B active.
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b",
+        family="mixtral",
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=32768,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        moe_experts=8,
+        moe_top_k=2,
+        moe_ffn_dim=14336,
+        moe_norm_topk=True,
+        moe_weights_fp32=True,
+        router_aux_loss_coef=0.02,
+    ),  # fmt: skip
     # A Hugging Face Llama checkpoint: model=hf model.hf_path=... (the shape is its config.json's).
     "hf": ModelConfig(name="hf", hf_path=""),
 }

@@ -36,6 +36,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .config import ModelConfig
 from .initialization import linear, residual_std
@@ -47,12 +48,26 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     """Rows of `a` [S, K] grouped by expert (group g is rows [ends[g-1], ends[g])) times each
     group's `w[g]` [N, K] (nn.Linear's out x in): [S, N]. One kernel where torch._grouped_mm
     runs for this device and dtype, else one matmul per non-empty group."""
+    if _planning(a):  # the planner's fake tensors: the same shapes (and saved tensors), no data
+        return a @ w[0].T
     if grouped_mm_ok(a.device.type, a.dtype, a.shape[1], w.shape[1]):
         out = torch._grouped_mm(a, w.transpose(-2, -1), offs=ends.to(torch.int32))
         if out.requires_grad:  # its backward refuses a broadcast (zero-stride) gradient
             out.register_hook(lambda g: g.contiguous())
         return out
     return grouped_mm_loop(a, w, ends)
+
+
+def _planning(t: torch.Tensor) -> bool:
+    """A fake or meta tensor (the planner traces the layer's memory): no data to look at."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
+def bincount(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """Counts of 0 .. bins - 1 in `values` (int64 [bins]): a scatter-add, whose shape does not
+    depend on the data (torch.bincount's does: the planner's fake tensors cannot run it)."""
+    out = torch.zeros(bins, dtype=torch.int64, device=values.device)
+    return out.scatter_add_(0, values.reshape(-1), torch.ones_like(values.reshape(-1)))
 
 
 def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -176,7 +191,7 @@ class MoE(nn.Module):
             weights = weights.to(logits.dtype)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = bincount(flat, self.n_experts)
         ys = self.dispatch(x[order // self.top_k], counts, self.experts)
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.empty_like(ys)
@@ -191,7 +206,7 @@ class MoE(nn.Module):
             keep = real.reshape(-1, 1).to(probs.dtype)
             probs = probs * keep
             chosen = torch.where(keep.bool(), chosen, self.n_experts)  # padding: a bin of its own
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts + 1)[: self.n_experts]
+        counts = bincount(chosen, self.n_experts + 1)[: self.n_experts]
         sums = probs.sum(dim=0)
         self.stats = (counts, sums.detach())
         if self.balance is not None and torch.is_grad_enabled() and sums.requires_grad:

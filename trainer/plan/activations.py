@@ -25,7 +25,6 @@ kernels do. CUDA's own workspaces (cuBLAS, NCCL) are not seen.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -40,7 +39,7 @@ from trainer.config import DType, ModelConfig, ShardingConfig
 from trainer.fsdp import virtual_mesh
 from trainer.loss import loss_sum, resolve_chunk_tokens
 
-from .layout import meta_engine
+from .layout import frozen_model, meta_engine, thawed_model
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ def profile(
     `loss_chunk_tokens` is train.loss_chunk_tokens (None: auto for the vocabulary, as the loop
     resolves it): chunked, the root holds one chunk's logits and their gradient, not the whole
     [tokens, vocab] fp32 logits."""
-    key = tuple(sorted(dataclasses.asdict(model).items()))
+    key = frozen_model(model)
     chunk = resolve_chunk_tokens(loss_chunk_tokens, model.vocab_size)
     return _profile(key, rows, seq_len, param_dtype, checkpointing, chunk)
 
@@ -144,13 +143,16 @@ def profile(
 def _profile(
     model_key, rows: int, seq_len: int, param_dtype: str, checkpointing: bool, chunk: int = 0
 ) -> ActivationProfile:
-    model = ModelConfig(**dict(model_key))
+    model = thawed_model(model_key)
     sharding = ShardingConfig(
         strategy="NO_SHARD", param_dtype=param_dtype, activation_checkpointing=checkpointing
     )
     fsdp = meta_engine(model, sharding, virtual_mesh(sharding, 0, 1))
     dtype = DType.parse(param_dtype, "sharding.param_dtype").torch
-    block_unit = next(u for u in fsdp.units if u.name.startswith("layers."))
+    # A mixture's sparse block holds more than a dense one (every token's k expert rows): the
+    # first sparse block stands for every block when the model has any.
+    blocks = [u for u in fsdp.units if u.name.startswith("layers.")]
+    block_unit = next((u for u in blocks if hasattr(u.modules[0], "moe")), blocks[0])
     with FakeTensorMode():
         _warm_rotary(block_unit.modules[0], seq_len, dtype)
         block = _trace_block(block_unit, rows, seq_len, model.dim, dtype)

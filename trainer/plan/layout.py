@@ -50,6 +50,9 @@ class UnitLayout:
     shard_size: int = 1  # its placement on the mesh: its own strategy's (sharding.modules)
     replicate_size: int = 1
     reshard_after_forward: bool = False  # frees its gathered parameters after forward
+    flat_shard_sizes: tuple[int, ...] = ()
+    """Each flat's own shard group (a mixture's experts: the ranks holding the same ones)."""
+    flat_replicate_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,11 +122,12 @@ def layout(
     """The layout of `rank` (rank 0 holds the most optimizer state: later ranks hold the
     padding), its state priced under the levers: state_dtype is optim.state_dtype."""
     key = (
-        _frozen(model),
+        frozen_model(model),
         sharding.strategy,
         sharding.param_dtype,
         sharding.hybrid_shard_group_size,
         tuple(sharding.modules.items()),
+        sharding.expert_parallel,
     )
     base = _layout(key, world_size, local_world_size, rank)
     return with_levers(base, sharding, state_dtype)
@@ -173,13 +177,14 @@ def _on_device(u: UnitLayout, param_bytes: int) -> UnitLayout:
 
 @lru_cache(maxsize=64)
 def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
-    model_fields, strategy, param_dtype, hybrid, modules = key
-    model = ModelConfig(**dict(model_fields))
+    model_fields, strategy, param_dtype, hybrid, modules, expert_parallel = key
+    model = thawed_model(model_fields)
     sharding = ShardingConfig(
         strategy=strategy,
         param_dtype=param_dtype,
         hybrid_shard_group_size=hybrid,
         modules=dict(modules),
+        expert_parallel=expert_parallel,
     )
     mesh = virtual_mesh(sharding, rank, world_size, local_world_size)
     fsdp = meta_engine(model, sharding, mesh)
@@ -221,6 +226,8 @@ def _unit(u) -> UnitLayout:
         shard_size=u.placement.shard_size,
         replicate_size=u.placement.replicate_size,
         reshard_after_forward=u.reshard_after_forward,
+        flat_shard_sizes=tuple(f.placement.shard_size for f in u.flats),
+        flat_replicate_sizes=tuple(f.placement.replicate_size for f in u.flats),
     )
 
 
@@ -233,5 +240,12 @@ def _kind(name: str) -> str:
     return "embedding" if name == "tok_embeddings" else "head"
 
 
-def _frozen(model: ModelConfig) -> tuple:
-    return tuple(sorted(dataclasses.asdict(model).items()))
+def frozen_model(model: ModelConfig) -> tuple:
+    """The model's fields as a hashable cache key (a list field as a tuple)."""
+    fields = dataclasses.asdict(model).items()
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in fields))
+
+
+def thawed_model(key: tuple) -> ModelConfig:
+    """The ModelConfig of frozen_model's key."""
+    return ModelConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in key})

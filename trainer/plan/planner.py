@@ -27,6 +27,7 @@ from typing import Optional
 from trainer.config import ConfigError, ShardingStrategy, TrainerConfig
 from trainer.data import rank_range
 from trainer.fsdp.mesh import mesh_shape
+from trainer.model import count_params
 
 from .activations import profile
 from .headroom import Headroom, headroom_for
@@ -34,7 +35,7 @@ from .layout import layout
 from .levers import HOST_BASELINE_BYTES, host_step_bytes
 from .report import format_plan
 from .timeline import Phase, StepTimeline, step_timeline
-from .traffic import bytes_per_step, pcie_per_step
+from .traffic import all_to_all_bytes, bytes_per_step, pcie_per_step
 
 GiB = 2**30
 OFFLOADS = ("none", "optimizer")
@@ -100,6 +101,10 @@ class MemoryPlan:
     device_memory_bytes: int
     headroom: Headroom
     """What of device_memory_bytes is not for tensors (Headroom.none() with headroom=False)."""
+    active_params: int = 0
+    """Parameters one token computes with (a mixture's top-k experts; all for a dense model)."""
+    experts_per_rank: int = 0
+    """A mixture's experts each worker holds of every sparse layer (0: a dense model)."""
 
     @property
     def model_state(self) -> int:
@@ -240,8 +245,10 @@ def plan(
     )
     return MemoryPlan(
         model=model.name,
-        num_params=lay.num_params,
+        num_params=count_params(model),  # the whole model (a worker holds only its experts)
         num_units=len(lay.units),
+        active_params=count_params(model, active=True),
+        experts_per_rank=model.moe_experts // sh.expert_parallel,
         unit_kinds=tuple(u.kind for u in lay.units) + (("root",) if lay.root.padded else ()),
         strategy=lay.strategy.value,
         world_size=world_size,
@@ -270,7 +277,18 @@ def plan(
         timeline=timeline,
         activations_without_checkpointing=_activation_peak(timelines[False]),
         activations_with_checkpointing=_activation_peak(timelines[True]),
-        bytes_moved=bytes_per_step(lay, sh, micro),
+        bytes_moved=bytes_per_step(
+            lay,
+            sh,
+            micro,
+            all_to_all_bytes(
+                model,
+                rows * cfg.data.seq_len * micro,
+                sh.expert_parallel,
+                sh.param_dtype.itemsize,
+                bool(sh.activation_checkpointing),
+            ),
+        ),
         pcie=pcie_per_step(lay, sh, micro),
         host_step_bytes=(
             host_step_bytes(

@@ -70,6 +70,7 @@ def format_plan(p: "MemoryPlan") -> str:
         f"params {p.param_dtype}, reduce {p.reduce_dtype}",
         f"  micro-batch {p.rows} x {p.seq_len} tokens, {p.micro_batches} per step; "
         f"activation checkpointing {ckpt}",
+        *_experts_line(p),
         "",
         f"  {name:<{WIDTH}} {'at peak':>10} {'step max':>10}",
     ]
@@ -119,6 +120,18 @@ def format_plan(p: "MemoryPlan") -> str:
         + (f" ({moved})" if moved else "")
     )
     return "\n".join(lines)
+
+
+def _experts_line(p) -> list[str]:
+    """A mixture of experts: active parameters, experts a worker holds, the token exchange."""
+    if not p.experts_per_rank:
+        return []
+    a2a = p.bytes_moved.get("all_to_all", 0)
+    exchange = f"; all-to-all {_wire(a2a)} a step (balanced routing)" if a2a else ""
+    return [
+        f"  mixture of experts: {_count(p.active_params)} of the {_count(p.num_params)} active "
+        f"a token; {p.experts_per_rank} experts of every sparse layer on each worker{exchange}"
+    ]
 
 
 def format_recommendation(options: list["MemoryPlan"], configured: "MemoryPlan") -> str:

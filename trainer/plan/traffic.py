@@ -28,27 +28,59 @@ from .layout import Layout, UnitLayout
 from .levers import pcie_bytes_per_step
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
+"""The engine's collectives; a mixture on the expert axis adds "all_to_all"."""
 
 
-def bytes_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) -> dict[str, int]:
+def bytes_per_step(
+    lay: Layout, sharding: ShardingConfig, micro_batches: int, all_to_all: int = 0
+) -> dict[str, int]:
+    """Each collective's bytes this worker sends a step; `all_to_all`: a mixture's token
+    exchange (all_to_all_bytes), given by the planner, which knows the tokens."""
     acct = Accounting()
     p, r = sharding.param_dtype.itemsize, sharding.reduce_dtype.itemsize
     for _ in range(micro_batches):
         for unit in _gathered_per_micro_batch(lay):
-            for padded in unit.padded:
-                acct.record_comm("all_gather", padded * p, unit.shard_size)
+            for padded, size in zip(unit.padded, _sizes(unit)[0]):
+                acct.record_comm("all_gather", padded * p, size)
     reductions = micro_batches if sharding.sharded_grad_accumulation else 1
     for _ in range(reductions):
         for unit in lay.all_units:
-            for padded, shard, trainable in zip(unit.padded, unit.shard, unit.trainable):
+            shards, replicas = _sizes(unit)
+            for padded, shard, trainable, size, reps in zip(
+                unit.padded, unit.shard, unit.trainable, shards, replicas
+            ):
                 if not trainable:
                     continue
-                if unit.shard_size > 1:
-                    acct.record_comm("reduce_scatter", padded * r, unit.shard_size)
-                    acct.record_comm("all_reduce", shard * r, unit.replicate_size)
+                if size > 1:
+                    acct.record_comm("reduce_scatter", padded * r, size)
+                    acct.record_comm("all_reduce", shard * r, reps)
                 else:
-                    acct.record_comm("all_reduce", padded * r, unit.replicate_size)
-    return {op: acct.comm_bytes.get(op, 0) for op in OPS}
+                    acct.record_comm("all_reduce", padded * r, reps)
+    out = {op: acct.comm_bytes.get(op, 0) for op in OPS}
+    if all_to_all:
+        out["all_to_all"] = all_to_all
+    return out
+
+
+def _sizes(unit: UnitLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shard group, replicas) of each of the unit's flats (a mixture's experts have their own)."""
+    n = len(unit.padded)
+    shards = unit.flat_shard_sizes or (unit.shard_size,) * n
+    return shards, unit.flat_replicate_sizes or (unit.replicate_size,) * n
+
+
+def all_to_all_bytes(
+    model, tokens: int, expert_parallel: int, param_bytes: int, checkpointing: bool
+) -> int:
+    """What a worker sends a step in a mixture's token exchange over the expert axis, with the
+    routing balanced: each of its `tokens` goes to k experts, (N - 1) / N of those rows to other
+    ranks, in each sparse layer, 4 times a step (out and back, forward and backward; 6 with
+    activation checkpointing, whose recomputation runs the forward's two again)."""
+    if expert_parallel <= 1 or not model.sparse_layers:
+        return 0
+    passes = 6 if checkpointing else 4
+    rows = tokens * model.moe_top_k * (expert_parallel - 1) / expert_parallel
+    return int(len(model.sparse_layers) * passes * rows * model.dim * param_bytes)
 
 
 def pcie_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) -> dict[str, int]:
@@ -69,9 +101,9 @@ def pcie_per_step(lay: Layout, sharding: ShardingConfig, micro_batches: int) -> 
 
 def _gathered_per_micro_batch(lay: Layout) -> list[UnitLayout]:
     """Every unit in forward; FULL_SHARD / HYBRID_SHARD units again in backward but the last of
-    the forward, which keeps its parameters into the backward that starts with it. A unit with
-    one rank per shard group only casts its shard: nothing on the wire."""
-    return [u for u in _uses_per_micro_batch(lay) if u.shard_size > 1]
+    the forward, which keeps its parameters into the backward that starts with it. A flat with
+    one rank per shard group only casts its shard: nothing on the wire (its size is 1)."""
+    return [u for u in _uses_per_micro_batch(lay) if any(n > 1 for n in _sizes(u)[0])]
 
 
 def _uses_per_micro_batch(lay: Layout) -> list[UnitLayout]:
