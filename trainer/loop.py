@@ -49,11 +49,12 @@ from trainer.fsdp.state import load_params
 from trainer.generate import eval_prompts, sample_text
 from trainer.guard import DivergenceError, DivergenceGuard  # noqa: F401 -- DivergenceError: the loop's error
 from trainer.hf import HFWeights, resolve_model
+from trainer.inputs import model_inputs
 from trainer.loss import resolve_chunk_tokens
 from trainer.metrics import MetricsLogger, NullLogger, print0
 from trainer.model import flops_per_token, initializer
 from trainer.optim import lr_at
-from trainer.progress import StepReport
+from trainer.progress import StepReport, moe_metrics
 from trainer.step import micro_batch_loss, train_step
 
 
@@ -169,6 +170,8 @@ class Trainer:
         self.model, self.optimizer, self.scaler = built.model, built.optimizer, built.scaler
         self.speed = built.speed  # what train.compile / train.float8 did (trainer/speed.py)
         self.global_tokens = global_tokens_per_step(t.global_batch_size, d.seq_len)
+        # A mixture of experts counts the real tokens of its routing (padding left out).
+        self.pad_id = self.data.eod_id if cfg.model.moe_experts else None
         self.flops_per_token = flops_per_token(cfg.model, d.seq_len)
         # The head and the loss a chunk of tokens at a time: the [tokens, vocab] fp32 logits of
         # a large vocabulary never exist whole (trainer/loss.py; 0 = from the whole logits).
@@ -188,6 +191,7 @@ class Trainer:
             tokenizer=self.data.tokenizer_info(),
         )
         self.step = 0
+        self.routing: tuple = (None, None)  # the last step's aux loss and expert loads
         self.loader: Optional[Loader] = None
         self.result = TrainResult(0, float("nan"))
         self.guard = DivergenceGuard(
@@ -282,6 +286,7 @@ class Trainer:
             loss_chunk_tokens=self.loss_chunk_tokens,
         )
         self.step += 1
+        self.routing = out.aux, out.load  # a mixture's load balance (None, None: dense)
         return out.loss, out.norm, out.bad
 
     def _micro_batches(self):
@@ -293,7 +298,7 @@ class Trainer:
                 self.result.samples += [
                     (self.step, int(s), int(i)) for s, i in zip(mb.sources, mb.sample_ids)
                 ]
-            yield model_inputs(mb.to(self.device, non_blocking=True))
+            yield model_inputs(mb.to(self.device, non_blocking=True), self.pad_id)
 
     def eval_due(self) -> bool:
         every = self.cfg.train.eval_every
@@ -366,6 +371,7 @@ class Trainer:
         m = self.model.metrics(self.optimizer)
         m.update(self.checkpointer.metrics())  # snapshot/*: the last in-memory snapshot
         m["train/bad_steps"] = float(len(self.result.bad_steps))  # skipped, non-finite, so far
+        m.update(moe_metrics(self.cfg.model, *self.routing))
         self.report.log(
             self.step, self.result.final_loss, float(norm), seconds, m, eval_loss,
             self.ctx.after_step,
@@ -427,13 +433,6 @@ def evaluate(
     if world > 1:
         dist.all_reduce(total)
     return float(total[0] / total[1])
-
-
-def model_inputs(mb) -> tuple:
-    """(inputs, targets, weight, positions) of a micro-batch on its device, as train_step takes
-    them: the per-token loss weights when the data has a loss mask, else the number weight."""
-    weights = mb.loss_weights
-    return mb.inputs, mb.targets, mb.weight if weights is None else weights, mb.input_positions
 
 
 def run_training(cfg: TrainerConfig, ctx: WorkerContext) -> TrainResult:

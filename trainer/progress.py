@@ -143,3 +143,14 @@ def memory_text(m: dict) -> str:
 def _clock(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def moe_metrics(model, aux, load) -> dict[str, float]:
+    """A mixture's last step: train/aux_loss (unweighted; train/loss holds coef x it) and the
+    load of its experts: the busiest expert's tokens over the mean's, the worst layer and each."""
+    if aux is None:
+        return {}
+    loads = [float(x) for x in load]
+    out = {"train/aux_loss": float(aux), "train/moe_load_max": max(loads)}
+    out.update({f"moe_load/layer_{i}": x for i, x in zip(model.sparse_layers, loads)})
+    return out

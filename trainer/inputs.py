@@ -1,0 +1,37 @@
+"""A micro-batch as the training step takes it: (inputs, targets, weight, positions[, real]).
+
+yield model_inputs(mb.to(device, non_blocking=True), pad_id)   # trainer/loop.py, evaluate
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def model_inputs(mb, pad_id: Optional[int] = None) -> tuple:
+    """(inputs, targets, weight, positions[, real]) of a micro-batch on its device, as train_step
+    takes them: the per-token loss weights when the data has a loss mask, else the number weight.
+    `pad_id` (a mixture of experts' run): the non-padding tokens too, what its routing
+    statistics count (transformers leaves padding out of the load-balancing loss)."""
+    weights = mb.loss_weights
+    out = (mb.inputs, mb.targets, mb.weight if weights is None else weights, mb.input_positions)
+    if pad_id is None:
+        return out
+    return (*out, real_tokens(mb.inputs, mb.input_positions, pad_id))
+
+
+def real_tokens(
+    inputs: torch.Tensor, positions: Optional[torch.Tensor], pad_id: int
+) -> Optional[torch.Tensor]:
+    """[B, T] bool: False on the padding that fills a packed window after its last document
+    (trainer/data/packing.py: pad ids, positions restarting at 0, a last segment of nothing
+    but pad ids); None (every token real) for plain pre-training windows."""
+    if positions is None:
+        return None
+    doc = torch.cumsum((positions == 0).to(torch.int32), dim=1)
+    last = doc == doc[:, -1:]
+    pad = last & (inputs == pad_id)
+    padded = (pad == last).all(dim=1, keepdim=True)  # the last segment is all padding
+    return ~(pad & padded)
