@@ -311,7 +311,28 @@ class JobConfig(TrainerConfig):
                 group,
                 f"a divisor of the world size {lo} ({divisors}), or 0 (ranks per node)",
             )
+        self._check_expert_degree(lo, hi)
         return self
+
+    def _check_expert_degree(self, lo: int, hi: int) -> None:
+        """A fixed size: sharding.expert_parallel must divide the ranks the expert axis is cut
+        from. An elastic run re-plans at a size it does not divide (trainer/fsdp/mesh.py
+        expert_degree, logged), as HYBRID_SHARD's groups do."""
+        from trainer.fsdp.mesh import mesh_shape  # noqa: PLC0415 -- torch: only for a mixture
+
+        ep, experts = self.sharding.expert_parallel, self.model.moe_experts
+        if ep == 1 or lo != hi:
+            return
+        whole = mesh_shape(dataclasses.replace(self.sharding, expert_parallel=1), lo, lo)
+        group = whole["shard"] if whole["shard"] > 1 else whole["replicate"]
+        if group % ep:
+            valid = [d for d in range(1, group + 1) if group % d == 0 and experts % d == 0]
+            fail(
+                "sharding.expert_parallel",
+                ep,
+                f"a divisor of both the {experts} experts and the {group} ranks the expert axis "
+                f"is cut from at {lo} workers ({', '.join(map(str, valid))})",
+            )
 
     @property
     def checkpoint_root(self) -> str:

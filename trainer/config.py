@@ -387,6 +387,12 @@ class TrainerConfig:
                 self.data.seq_len,
                 f"at most model.max_seq_len={self.model.max_seq_len}",
             )
+        experts, ep = self.model.moe_experts, self.sharding.expert_parallel
+        if ep > 1 and not experts:
+            fail("sharding.expert_parallel", ep, "1 (the model has no experts: model.moe_experts=0)")
+        if experts and experts % ep:
+            valid = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+            fail("sharding.expert_parallel", ep, f"a divisor of the model's {experts} experts ({valid})")
         if self.train.eval_every and not self.data.eval_fraction:
             fail(
                 "train.eval_every",

@@ -19,6 +19,8 @@ def model_inputs(mb, pad_id: Optional[int] = None) -> tuple:
     out = (mb.inputs, mb.targets, mb.weight if weights is None else weights, mb.input_positions)
     if pad_id is None:
         return out
+    if mb.weight == 0:  # a placeholder (so collectives pair up): its tokens count nowhere
+        return (*out, torch.zeros(mb.inputs.shape, dtype=torch.bool, device=mb.inputs.device))
     return (*out, real_tokens(mb.inputs, mb.input_positions, pad_id))
 
 

@@ -32,3 +32,16 @@ def test_a_document_ending_in_the_pad_id_stays_real():
 
 def test_plain_windows_are_all_real():
     assert real_tokens(torch.zeros(2, 5, dtype=torch.long), None, PAD) is None
+
+
+def test_a_placeholder_micro_batch_counts_no_token():
+    from trainer.data.loader import MicroBatch
+    from trainer.inputs import model_inputs
+
+    w = _windows([[5, 6, 7]], width=6)
+    mask = torch.ones(1, 6, dtype=torch.uint8)
+    mb = MicroBatch(torch.from_numpy(w.tokens), 0.0, np.array([0]), np.array([0]), mask,
+                    torch.from_numpy(w.positions))  # fmt: skip
+    *_, real = model_inputs(mb, PAD)
+    assert not bool(real.any())  # weight 0 everywhere: the routing statistics skip it too
+    assert float(model_inputs(mb, PAD)[2].sum()) == 0.0

@@ -12,7 +12,10 @@ consecutive ranks share every axis but the inner ones):
 |-----------|---------------------------------|------------------------------------------------|
 | replicate | the data (HYBRID: across nodes) | W / shard under HYBRID_SHARD, W under NO_SHARD |
 | shard     | the data and the parameters     | W (FULL_SHARD, SHARD_GRAD_OP), a node (HYBRID) |
-| expert    | the data and a mixture's experts | sharding.expert_parallel (cut from shard)     |
+| expert    | the data and a mixture's experts | sharding.expert_parallel, cut from shard (*)  |
+
+(*) From replicate under NO_SHARD. At a resize to a world it does not divide, the largest degree
+below it dividing both the ranks and the experts (expert_degree, said in the log line).
 
 The context and tensor axes take their place after `shard` when they land (see docs/engine.md,
 "The mesh"). A strategy is a shape of the mesh (mesh_plan) and, per unit, a placement: which
@@ -69,11 +72,12 @@ def hybrid_group_size(world_size: int, requested: int, local_world_size: int) ->
 
 
 def mesh_plan(
-    cfg: ShardingConfig, world_size: int, local_world_size: int = 1
+    cfg: ShardingConfig, world_size: int, local_world_size: int = 1, experts: int = 0
 ) -> tuple[dict[str, int], str]:
     """The size of every axis of `cfg`'s mesh at `world_size` (in AXES order; they multiply to
     the world size), and one line saying why. The one place a world size becomes a mesh: the
-    engine, the planner and the elastic re-plan at a resize all ask here."""
+    engine, the planner and the elastic re-plan at a resize all ask here. `experts`: a
+    mixture's experts per sparse layer (0: dense), what the expert axis must divide."""
     strategy = cfg.strategy
     why = f"{strategy} over {world_size} rank{'s' if world_size > 1 else ''}"
     if strategy is ShardingStrategy.NO_SHARD:
@@ -83,30 +87,51 @@ def mesh_plan(
         why = f"{strategy}, {groups}"
     else:
         shard = world_size
-    replicate, ep = world_size // shard, cfg.expert_parallel
-    if ep > 1:  # the expert axis is cut from the shard axis (from replicate under NO_SHARD)
-        if shard % ep == 0:
+    replicate = world_size // shard
+    if cfg.expert_parallel > 1:  # cut from the shard axis (from replicate under NO_SHARD)
+        group = shard if shard > 1 else replicate
+        ep, degree = expert_degree(cfg.expert_parallel, group, experts)
+        if shard > 1:
             shard //= ep
-        elif shard == 1 and replicate % ep == 0:
-            replicate //= ep
         else:
-            group = shard if shard > 1 else world_size
-            raise ConfigError(
-                f"invalid config: sharding.expert_parallel={ep} does not divide the "
-                f"{'shard group' if shard > 1 else 'world'} of {group} ranks ({why}); valid: "
-                f"{', '.join(map(str, divisors(group)))}"
-            )
-        why += f", experts over {ep} ranks"
-    return {"replicate": replicate, "shard": shard, "expert": ep}, why
+            replicate //= ep
+        why += f", {degree}"
+        return {"replicate": replicate, "shard": shard, "expert": ep}, why
+    return {"replicate": replicate, "shard": shard, "expert": 1}, why
+
+
+def expert_degree(requested: int, group: int, experts: int = 0) -> tuple[int, str]:
+    """The expert axis cut from a group of `group` ranks and why: sharding.expert_parallel when
+    it divides the group (and the `experts`); else, after a resize to a world it does not
+    divide, the largest degree below it that divides both (a checkpoint names experts by their
+    global index, so any degree resumes it), said in the log line. A degree that does not divide
+    the experts is a config error at any world size."""
+    if experts and experts % requested:
+        raise ConfigError(
+            f"invalid config: sharding.expert_parallel={requested} does not divide the model's "
+            f"{experts} experts; valid: {', '.join(map(str, divisors(experts)))}"
+        )
+    if group % requested == 0:
+        return requested, f"experts over {requested} ranks (sharding.expert_parallel)"
+    fit = max(
+        d for d in range(1, requested + 1) if group % d == 0 and (not experts or experts % d == 0)
+    )
+    return fit, (
+        f"experts over {fit} rank{'s' if fit > 1 else ''}: sharding.expert_parallel={requested} "
+        f"does not divide the {group} ranks they are cut from; {fit} is the largest degree below "
+        f"it dividing both them{f' and the {experts} experts' if experts else ''}"
+    )
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_shape(cfg: ShardingConfig, world_size: int, local_world_size: int = 1) -> dict[str, int]:
+def mesh_shape(
+    cfg: ShardingConfig, world_size: int, local_world_size: int = 1, experts: int = 0
+) -> dict[str, int]:
     """mesh_plan's sizes alone."""
-    return mesh_plan(cfg, world_size, local_world_size)[0]
+    return mesh_plan(cfg, world_size, local_world_size, experts)[0]
 
 
 @dataclass(frozen=True)
@@ -314,20 +339,22 @@ def placement_axes(strategy: ShardingStrategy) -> tuple[tuple[str, ...], tuple[s
     return DATA_AXES, ()
 
 
-def build_mesh(cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1) -> Mesh:
+def build_mesh(
+    cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1, experts: int = 0
+) -> Mesh:
     """The mesh of `cfg` at this world size, with the groups of its own placement created.
     Collective: every rank must call it with the same arguments. local_world_size is
-    HYBRID_SHARD's default shard group (ranks per node)."""
-    shape, why = mesh_plan(cfg, world_size, local_world_size)
+    HYBRID_SHARD's default shard group (ranks per node); `experts`, a mixture's experts."""
+    shape, why = mesh_plan(cfg, world_size, local_world_size, experts)
     mesh = Mesh(rank, world_size, shape, cfg.strategy, why=why)
     mesh.placement()
     return mesh
 
 
 def virtual_mesh(
-    cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1
+    cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1, experts: int = 0
 ) -> Mesh:
     """The mesh `build_mesh` would give `rank`, without process groups: for planning on the meta
     device, where nothing communicates."""
-    shape, why = mesh_plan(cfg, world_size, local_world_size)
+    shape, why = mesh_plan(cfg, world_size, local_world_size, experts)
     return Mesh(rank, world_size, shape, cfg.strategy, virtual=True, why=why)

@@ -186,7 +186,7 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
         modules=dict(modules),
         expert_parallel=expert_parallel,
     )
-    mesh = virtual_mesh(sharding, rank, world_size, local_world_size)
+    mesh = virtual_mesh(sharding, rank, world_size, local_world_size, model.moe_experts)
     fsdp = meta_engine(model, sharding, mesh)
     flats = list(fsdp.flats())
     sharded_params = fsdp.acct.live["sharded_params"]

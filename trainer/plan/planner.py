@@ -231,6 +231,8 @@ def plan(
     micro = cfg.train.micro_batches
     rows = rows_per_micro_batch(cfg.train.global_batch_size, world_size, micro, rank)
     lay = layout(model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype)
+    # the expert axis at this world size (a resize may re-plan it: trainer/fsdp/mesh.py)
+    ep = mesh_shape(sh, world_size, local_world_size, model.moe_experts)["expert"]
     chunk = cfg.train.loss_chunk_tokens
     acts = {
         ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk)
@@ -248,7 +250,7 @@ def plan(
         num_params=count_params(model),  # the whole model (a worker holds only its experts)
         num_units=len(lay.units),
         active_params=count_params(model, active=True),
-        experts_per_rank=model.moe_experts // sh.expert_parallel,
+        experts_per_rank=model.moe_experts // ep,
         unit_kinds=tuple(u.kind for u in lay.units) + (("root",) if lay.root.padded else ()),
         strategy=lay.strategy.value,
         world_size=world_size,
@@ -284,7 +286,7 @@ def plan(
             all_to_all_bytes(
                 model,
                 rows * cfg.data.seq_len * micro,
-                sh.expert_parallel,
+                ep,
                 sh.param_dtype.itemsize,
                 bool(sh.activation_checkpointing),
             ),
