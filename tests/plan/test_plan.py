@@ -611,3 +611,12 @@ def test_mixture_presets_have_their_published_totals_and_the_planner_prices_the_
     )
     # the experts are gathered over 2 ranks instead of 8: fewer all-gather bytes
     assert b.bytes_moved["all_gather"] < a.bytes_moved["all_gather"]
+    # the routers' saved activations: per token E x (fp32 logits + probabilities) + k x (index,
+    # weight), 2 sparse layers, rank 0's micro-batch of 1 x 64 tokens
+    assert a.router_activations == 64 * (8 * 8 + 2 * 12) * 2
+    from trainer.plan.report import format_plan
+
+    line = next(x for x in format_plan(b).splitlines() if "mixture of experts:" in x)
+    assert "2 experts of every sparse layer on each worker" in line and "; routers " in line
+    # a world the degree does not divide re-plans it (as a resize does): 4 does not divide 6
+    assert plan(spread, 6, BIG, 6).experts_per_rank == 4

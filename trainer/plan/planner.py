@@ -105,6 +105,9 @@ class MemoryPlan:
     """Parameters one token computes with (a mixture's top-k experts; all for a dense model)."""
     experts_per_rank: int = 0
     """A mixture's experts each worker holds of every sparse layer (0: a dense model)."""
+    router_activations: int = 0
+    """A mixture's routers' saved activations over a micro-batch, every sparse layer (part of the
+    blocks' activations, shown apart): router_bytes."""
 
     @property
     def model_state(self) -> int:
@@ -198,6 +201,15 @@ SNAPSHOT_COPIES = 1 + 2 * 2
 worker, and 2 copies x 2 generations in the keepers (spread over the nodes, one share each)."""
 
 
+def router_bytes(model, tokens: int, param_bytes: int) -> int:
+    """What a mixture's routers keep for backward over `tokens` tokens, every sparse layer: the
+    logits (compute dtype) and the fp32 probabilities of every expert, and the top-k indices
+    (int64) and weights (fp32) of each token (trainer/model/moe.py). Without checkpointing all
+    layers' at once; with it, one block's during its recomputation."""
+    per_token = model.moe_experts * (param_bytes + 4) + model.moe_top_k * (8 + 4)
+    return tokens * per_token * len(model.sparse_layers)
+
+
 def rows_per_micro_batch(
     global_batch: int, world_size: int, micro_batches: int, rank: int = 0
 ) -> int:
@@ -251,6 +263,7 @@ def plan(
         num_units=len(lay.units),
         active_params=count_params(model, active=True),
         experts_per_rank=model.moe_experts // ep,
+        router_activations=router_bytes(model, rows * cfg.data.seq_len, sh.param_dtype.itemsize),
         unit_kinds=tuple(u.kind for u in lay.units) + (("root",) if lay.root.padded else ()),
         strategy=lay.strategy.value,
         world_size=world_size,

@@ -130,7 +130,9 @@ def _experts_line(p) -> list[str]:
     exchange = f"; all-to-all {_wire(a2a)} a step (balanced routing)" if a2a else ""
     return [
         f"  mixture of experts: {_count(p.active_params)} of the {_count(p.num_params)} active "
-        f"a token; {p.experts_per_rank} experts of every sparse layer on each worker{exchange}"
+        f"a token; {p.experts_per_rank} experts of every sparse layer on each worker{exchange}; "
+        f"routers {mem(p.router_activations)} of the activations (logits, probabilities, "
+        "top-k of every sparse layer)"
     ]
 
 
