@@ -31,6 +31,7 @@ from trainer.config import ConfigError, ShardingConfig, model_config
 from trainer.fsdp import build_mesh, mesh_shape, parallelize
 from trainer.fsdp.state import full_parameters, optim_pieces
 from trainer.model import build_model, initializer, loss_sum
+from trainer.optim import AdamW
 from trainer.step import train_step
 
 SEED, STEPS, BATCH, SEQ, VOCAB, PAD = 7, 4, 7, 12, 64, 0
@@ -88,13 +89,19 @@ def reference():
     return dict(losses=losses, norms=norms, params=params, p0=p0, used=used)
 
 
-def wrap(rank: int, world: int, ep: int):
-    cfg = ShardingConfig(strategy="FULL_SHARD", expert_parallel=ep)
+def wrap(rank: int, world: int, ep: int, master: str = "float32"):
+    cfg = ShardingConfig(strategy="FULL_SHARD", expert_parallel=ep, master_dtype=master)
     mesh = build_mesh(cfg, rank, world, local_world_size=world, experts=E)
     fsdp = parallelize(
         build_model(moe(), device="meta"), cfg, mesh, "cpu", init_fn=initializer(SEED)
     )
-    opt = adamw(fsdp.param_groups(WD), lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    if master == "float32":
+        opt = adamw(fsdp.param_groups(WD), lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    else:  # ours: the bf16 master's stochastic rounding, keyed by each element's index
+        opt = AdamW(
+            fsdp.param_groups(WD), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+            rounding=fsdp.master_rounding, seed=SEED, index=fsdp.element_index(),
+        )  # fmt: skip
     return fsdp, opt
 
 
@@ -157,6 +164,24 @@ def test_expert_parallel_training_matches_the_single_process_reference(
     err = update_error(r["params"], ref["params"], ref["p0"])
     worst = max(err, key=err.get)
     assert err[worst] <= 1e-4, (worst, err[worst])
+
+
+def _bf16_master(rank, world, ep):
+    fsdp, opt = wrap(rank, world, ep, master="bfloat16")
+    train(fsdp, opt, rank, world, range(2))
+    return {k: v for k, v in full_parameters(fsdp).items() if ".experts." in k}
+
+
+def test_a_bf16_master_rounds_each_expert_element_alike_at_any_expert_degree():
+    """Stochastic rounding keys its noise by the element's index in the whole parameter: the
+    same expert rounds alike at degree 1 and 2 (only where the fp32 updates, summed in another
+    order, straddle a rounding boundary may they differ); keyed by the index in this rank's
+    flat, ranks would share noise and about half of the experts' elements would differ."""
+    one = run_distributed(_bf16_master, 1, 1)[0]
+    two = run_distributed(_bf16_master, 2, 2)[0]
+    differ = sum(int((one[k] != two[k]).sum()) for k in one)
+    total = sum(v.numel() for v in one.values())
+    assert differ <= 0.01 * total, (differ, total)
 
 
 # ---- checkpoints across expert degrees ---------------------------------------------------------

@@ -152,9 +152,11 @@ class FSDPModel(torch.nn.Module):
         compute; sharded_state_dict() / full_state_dict() name them."""
         for u in self.all_units():
             for i, flat in enumerate(u.flats):
+                seen: dict[str, int] = {}
                 for p, decay, _ in flat.opt_params:
                     kind = "decay" if decay else "no_decay"
-                    yield f"{prefix}{u.name}.flat{i}.{kind}", p
+                    n = seen[kind] = seen.get(kind, -1) + 1  # a mixture's experts: one a tensor
+                    yield f"{prefix}{u.name}.flat{i}.{kind}" + (f".{n}" if n else ""), p
 
     def sharded_state_dict(self) -> dict:
         """{name in the unwrapped model: LocalShard(shape, start, values)}; see state.py."""
@@ -168,12 +170,14 @@ class FSDPModel(torch.nn.Module):
     def element_index(self) -> dict[int, tuple[int, int]]:
         """id(optimizer view) -> (a key of its flat parameter, the index of its first element in
         the flat parameter): what stochastic rounding keys its noise by. Neither depends on the
-        world size (a flat's layout does not; only its cut into shards does)."""
-        return {
-            id(p): (name_key(flat.infos[0].fqn), flat.lo + off)
-            for flat in self.flats()
-            for p, _, off in flat.opt_params
-        }
+        world size (a flat's layout does not; only its cut into shards does), nor, for a
+        mixture's experts (keyed by parameter and index in the whole), on the expert degree."""
+        out = {}
+        for flat in self.flats():
+            for p, _, off in flat.opt_params:
+                name, index = flat.element_key(off)
+                out[id(p)] = (name_key(name), index)
+        return out
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         decay, no_decay = [], []

@@ -179,14 +179,36 @@ class FlatParameter:
         return max(0, min(self.numel, self.hi) - self.lo)
 
     def _optimizer_views(self) -> list[tuple[torch.nn.Parameter, bool, int]]:
-        """(view into the shard, has weight decay, offset in shard) for each region met."""
+        """(view into the shard, has weight decay, offset in shard) for each region met: the
+        decayed and the undecayed parameters; a mixture's experts also one per parameter, so that
+        each view's elements have consecutive indices in one whole parameter (element_index)."""
+        cuts = {0, self.decay_end, self.numel}
+        if self.experts:
+            cuts |= {i.offset for i in self.infos}
         views = []
-        for a, b, decay in ((0, self.decay_end, True), (self.decay_end, self.numel, False)):
+        bounds = sorted(cuts)
+        for a, b in zip(bounds, bounds[1:]):
+            decay = a < self.decay_end
             a, b = max(a, self.lo), min(b, self.hi)
             if a < b:
                 p = torch.nn.Parameter(self.shard[a - self.lo : b - self.lo], requires_grad=True)
                 views.append((p, decay, a - self.lo))
         return views
+
+    @property
+    def experts(self) -> bool:
+        """A mixture's experts: this rank holds a part of each parameter (global_shape)."""
+        return any(i.global_shape is not None for i in self.infos)
+
+    def element_key(self, off: int) -> tuple[str, int]:
+        """(the name whose key stochastic rounding uses, the index there) of shard offset `off`:
+        the flat's first parameter and the index in the flat; a mixture's experts, the parameter
+        and the index in the whole of it (the same at any expert degree)."""
+        at = self.lo + off
+        if not self.experts:
+            return self.infos[0].fqn, at
+        info = next(i for i in self.infos if i.offset <= at < i.offset + i.numel)
+        return info.fqn, info.global_offset + at - info.offset
 
     def attach_grad_views(self) -> None:
         """Point each optimizer view's .grad at its slice of the gradient shard."""
