@@ -12,7 +12,7 @@ from tests.data.chat_templates import save_with_transformers
 from tests.hf.tiny import hf_model
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "finetuning.md"
-SNIPPET = re.compile(r'^python -c "(from transformers import .*?)"$', re.M | re.S)
+SNIPPET = re.compile(r'^\.venv/bin/python -c "(from transformers import .*?)"$', re.M | re.S)
 
 
 def snippet_code() -> str:
