@@ -17,12 +17,19 @@ def python() -> str:
     """This interpreter as typed from the current directory: `python` when that is the one on
     PATH (an activated venv, a cluster image), else its path, relative when under the current
     directory (.venv/bin/python)."""
-    me = os.path.realpath(sys.executable)
-    on_path = shutil.which("python")
-    if on_path and os.path.realpath(on_path) == me:
-        return "python"
+    return program("python")
+
+
+def program(name: str) -> str:
+    """A program installed beside this interpreter (`mlflow`, `ray`, `python`) as typed from the
+    current directory: its bare name when that is the one on PATH, else its path, relative when
+    under the current directory (.venv/bin/mlflow)."""
+    exe = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), name)  # the venv's link
+    mine = os.path.realpath(sys.executable) if name == "python" else os.path.realpath(exe)
+    on_path = shutil.which(name)
+    if on_path and os.path.realpath(on_path) == mine:
+        return name
     here = os.getcwd()
-    exe = os.path.abspath(sys.executable)  # the venv's link, not what it points at
     return os.path.relpath(exe, here) if exe.startswith(here + os.sep) else exe
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
@@ -29,6 +27,7 @@ from typing import Iterable, Mapping, Optional
 from cluster.config import ClusterConfig, JobConfig, flatten
 from cluster.tracking.source import source_tags
 from trainer.metrics import MLflowLogger
+from trainer.shell import program
 
 
 def resolve_tracking_uri(uri: str, base_dir: str, use_env: bool = True) -> str:
@@ -296,7 +295,4 @@ def ui_command(tracking_uri: str) -> str:
     """The shell command that shows a local store in the MLflow UI (a server shows itself)."""
     if "://" in tracking_uri and not tracking_uri.startswith(("sqlite:", "file:")):
         return f"open {tracking_uri} in a browser"
-    ours = Path(sys.executable).parent / "mlflow"
-    on_path = shutil.which("mlflow")
-    program = "mlflow" if on_path and Path(on_path).resolve() == ours.resolve() else str(ours)
-    return f"{program} ui --backend-store-uri {tracking_uri}"
+    return f"{program('mlflow')} ui --backend-store-uri {tracking_uri}"

@@ -25,6 +25,7 @@ from trainer.config import ConfigError
 from trainer.hf.config import config_from_hf, read_hf_config
 from trainer.hf.importer import import_hf
 from trainer.hf.writer import export_hf
+from trainer.shell import python_m
 
 DEFAULT_SEQ_LEN = 128
 """The default job's data.seq_len (conf/data/stdlib.yaml): the import's command lowers it to a
@@ -56,7 +57,7 @@ def train_command(src: str, dest: str) -> str:
     the one holding `dest` (<cluster.storage_path>/<cluster.run_name>/checkpoints, the layout
     of cluster/config.py's run_folder), the tokenizer the source's own when it has one, and the
     default data's windows within the model's context."""
-    args = ["python -m cluster.train", "model=hf", f"model.hf_path={src}"]
+    args = [python_m("cluster.train"), "model=hf", f"model.hf_path={src}"]
     parent, _, last = dest.rstrip("/").rpartition("/")
     storage_path, _, run_name = parent.rpartition("/")
     if last == "checkpoints" and storage_path and run_name:
