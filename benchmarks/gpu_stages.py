@@ -26,6 +26,11 @@ returns) is killed at its limit and leaves every earlier result:
   07 levers    1b with the levers, ours and FSDP2 given the same: blocks compiled, compiled +
                Float8 (tensorwise; skipped, saying why, without torchao or below sm_89), and
                sharding.offload=params (FSDP2: CPUOffloadPolicy)
+  08 moe       a mixture of experts (benchmarks/gpu_moe.py): the experts' torch._grouped_mm
+               against a loop of matmuls at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, and a
+               0.7B-parameter mixture trained on our engine, MFU on its active FLOPs, beside the
+               dense model of its active parameters. Last: it is the newest, and takes no time
+               from the stages before it (with 1b absent it follows bench_125m)
 
 The whole run keeps within --budget-s (default 600: the lent H200 gives 15 minutes, its start
 and the transfers included): a stage
@@ -45,8 +50,11 @@ it yet; 01_env.json and the stages' seconds in summary.json are the first real f
   30 steps of 16k tokens, 0.30-0.45 s a step); levers ~4 minutes (initial weights 17 s; two
   inductor compiles of the 1b block, forward and backward, ~1 minute each on 16 cores, FSDP2's
   the same graphs from inductor's cache; 15 steps per contestant; the offloaded 1b steps AdamW on
-  the host, seconds a step, so 4 steps). About 8 minutes in all; the limits below sum past the
-  budget on purpose, so a slow stage cannot take more than its own limit from the others.
+  the host, seconds a step, so 4 steps); moe ~40 s (start ~10 s; the two expert shapes, 10
+  forward + backward passes of each path, ~5 s; the 0.7B mixture initialised on the host ~5 s,
+  15 steps of 16k tokens at ~50 ms, and its dense twin). About 9 minutes in all; the limits
+  below sum past the budget on purpose, so a slow stage cannot take more than its own limit
+  from the others.
 """
 
 from __future__ import annotations
@@ -117,6 +125,8 @@ def stages(models: tuple[str, ...]) -> list[Stage]:
     if "1b" in models:  # last: a slow compile cannot take the plain rows' time
         argv = ("benchmarks.gpu_check", "--models", "1b", "--levers", "--rows-file", "{file}")
         out.append(Stage(len(out) + 1, "bench_1b_levers", 300, argv))
+    # after every earlier stage: what they leave of the budget (~2 minutes, estimated) is its
+    out.append(Stage(len(out) + 1, "moe", 90, ("benchmarks.gpu_moe", "--file", "{file}")))
     return out
 
 
