@@ -1,8 +1,8 @@
 """A mixture of experts on our engine at world size 2 (gloo, the CPU): the experts over the
 expert axis against not, and the mixture against the dense model of its active parameters.
 
-    python -m benchmarks.moe            # ~2 minutes on 2 cores
-    python -m benchmarks.moe --quick    # ~20 s: the smoke test's run
+    python -m benchmarks.moe            # ~50 s on 2 cores (2 ranks of one thread)
+    python -m benchmarks.moe --quick    # ~10 s: the smoke test's run
 
 The model (FULL): a Llama-style decoder, dim 256, 4 layers, 4 heads, vocab 256, every layer
 sparse with 8 experts of width 384, top-2, router_aux_loss_coef 0.01; per rank 4 rows of 256
