@@ -70,8 +70,11 @@ class AllToAllDispatch:
         """xs [S, D] sorted by global expert, counts [E] -> the experts' outputs, same order."""
         send = counts.view(self.size, self.local)  # rows for each rank's experts
         recv = torch.empty_like(send)
+        t0 = time.perf_counter()
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)
         both = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # one host read
+        if self.acct is not None:  # the host waited for the router and the counts
+            self.acct.record_wait("all_to_all", time.perf_counter() - t0)
         sent, received = both[0], both[1]
         rows = _AllToAll.apply(xs, received, sent, self.group, self.acct)
         # rank-major (source, local expert) blocks -> expert-major for the grouped matmuls
@@ -102,6 +105,10 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(x: torch.Tensor, out_splits, in_splits, group, acct) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    cuda = x.is_cuda and acct is not None
+    if cuda:  # NCCL returns at once: the stall is the compute stream's, timed by events
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     t0 = time.perf_counter()
     dist.all_to_all_single(
         out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
@@ -109,5 +116,9 @@ def _exchange(x: torch.Tensor, out_splits, in_splits, group, acct) -> torch.Tens
     if acct is not None:  # what left this rank for others (its own rows stay)
         row = math.prod(x.shape[1:]) * x.element_size()
         mine = in_splits[dist.get_rank(group)]
-        acct.record_sent("all_to_all", row * (sum(in_splits) - mine), time.perf_counter() - t0)
+        seconds = 0.0 if cuda else time.perf_counter() - t0
+        acct.record_sent("all_to_all", row * (sum(in_splits) - mine), seconds)
+        if cuda:
+            end.record()
+            acct.record_wait_events("all_to_all", start, end)
     return out
