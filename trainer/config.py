@@ -389,10 +389,14 @@ class TrainerConfig:
             )
         experts, ep = self.model.moe_experts, self.sharding.expert_parallel
         if ep > 1 and not experts:
-            fail("sharding.expert_parallel", ep, "1 (the model has no experts: model.moe_experts=0)")
+            fail("sharding.expert_parallel", ep, "1 (a dense model: model.moe_experts=0)")
         if experts and experts % ep:
             valid = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
-            fail("sharding.expert_parallel", ep, f"a divisor of the model's {experts} experts ({valid})")
+            fail(
+                "sharding.expert_parallel",
+                ep,
+                f"a divisor of the model's {experts} experts ({valid})",
+            )
         if self.train.eval_every and not self.data.eval_fraction:
             fail(
                 "train.eval_every",

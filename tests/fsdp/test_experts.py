@@ -152,9 +152,7 @@ def test_the_data_has_uneven_expert_loads_and_padding(ref):
     [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 1, 2), (3, 3, 1, 3), (3, 2, 2, 1)],
     ids=["w1", "w2-ep1-micro2", "w2-ep2", "w3-ep3", "w3-ep2-replanned-micro2"],
 )
-def test_expert_parallel_training_matches_the_single_process_reference(
-    world, ep, micro, axis, ref
-):
+def test_expert_parallel_training_matches_the_single_process_reference(world, ep, micro, axis, ref):
     r = run_distributed(_run, world, ep, micro)[0]
     assert r["expert_axis"] == axis and r["local_experts"] == E // axis
     losses = max(rel(a, b) for a, b in zip(r["losses"], ref["losses"]))
@@ -266,8 +264,11 @@ def test_bad_expert_degrees_are_refused_before_workers_start_naming_the_valid_va
 
     def job(ep, workers, **model):
         lo, hi = (workers, workers) if isinstance(workers, int) else workers
-        cluster = ClusterConfig(num_workers=lo, min_workers=lo, max_workers=hi) if lo != hi else (
-            ClusterConfig(num_workers=lo))
+        cluster = (
+            ClusterConfig(num_workers=lo, min_workers=lo, max_workers=hi)
+            if lo != hi
+            else (ClusterConfig(num_workers=lo))
+        )
         cfg = JobConfig(model=moe(), cluster=cluster)
         cfg.sharding.expert_parallel = ep
         for k, v in model.items():
@@ -281,7 +282,7 @@ def test_bad_expert_degrees_are_refused_before_workers_start_naming_the_valid_va
     with pytest.raises(ConfigError, match=r"sharding.expert_parallel=3; valid: a divisor of both "
                        r"the 6 experts and the 4 ranks .* at 4 workers \(1, 2\)"):  # fmt: skip
         job(3, 4).validate()
-    with pytest.raises(ConfigError, match=r"expert_parallel=2; valid: 1 \(the model has no experts"):
+    with pytest.raises(ConfigError, match=r"expert_parallel=2; valid: 1 \(a dense model"):
         job(2, 2, moe_experts=0).validate()
     job(2, 4).validate()  # divides both
     job(3, [2, 4]).validate()  # elastic: re-planned at each size (logged), not refused
