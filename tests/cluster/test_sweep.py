@@ -28,7 +28,7 @@ from cluster.report import REPORT_ARTIFACTS
 from cluster.sweep import planned_jobs
 from cluster.sweep_repeats import Repeats, apply_repeats, repeat_indices
 from cluster.tracking.plots import PLOT_SIZE_PX
-from cluster.tracking.runs import NOTE_TAG, compared_params, create_run
+from cluster.tracking.runs import NOTE_TAG, VIEW_KEY, compared_params, create_run
 from cluster.tracking.source import git_commit
 from tests.cluster.conftest import REPO, CliResult, run_cli
 from trainer.metrics import MLflowLogger, last_logged_steps, start_system_metrics
@@ -442,4 +442,5 @@ def test_experiments_open_as_model_training_and_the_printed_page_says_so(store):
     )
     assert ui_url("https://mlflow.example:8443/", "7") == (
         "https://mlflow.example:8443/#/experiments/7/runs?workflowType=machine_learning"
+        f"&viewStateShareKey={VIEW_KEY}"  # the runs list with its loss and throughput columns
     )
