@@ -317,13 +317,28 @@ class TrainConfig:
     emulation, for tests; needs the `float8` extra: pip install 'elastic-fsdp[float8]')."""
     float8_recipe: str = "tensorwise"
     """Float8 scaling: tensorwise or rowwise."""
+    context_parallel: int = 1
+    """Ranks each sequence is split over (the mesh's `context` axis, for long sequences): the
+    tokens of every sample go to N ranks that read the same samples, 2N chunks in causal balance
+    (rank i holds chunks i and 2N-1-i), attention gathering the keys and values of the whole
+    sequence per layer (docs/engine.md, "Long sequences"). Positions, document masks and the
+    loss normalisation are those of the whole sequence, so any (data, context) split follows the
+    same curve. N divides the world size (under HYBRID_SHARD the shard group); a data.seq_len
+    that 2N does not divide is padded (the padding is no loss token). 1: off."""
     max_bad_steps: int = 3
     """A step whose loss or gradient norm is not finite (all ranks agree) is not applied; this
     many in a row stop the run with an error naming the step (a checkpoint holding a non-finite
     tensor is never written)."""
 
     def validate(self) -> None:
-        for key in ("steps", "global_batch_size", "micro_batches", "log_every", "max_bad_steps"):
+        for key in (
+            "steps",
+            "global_batch_size",
+            "micro_batches",
+            "log_every",
+            "max_bad_steps",
+            "context_parallel",
+        ):
             v = getattr(self, key)
             if not isinstance(v, int) or v <= 0:
                 fail(f"train.{key}", v, "a positive integer")
@@ -396,6 +411,21 @@ class TrainerConfig:
                 "sharding.expert_parallel",
                 ep,
                 f"a divisor of the model's {experts} experts ({valid})",
+            )
+        cp = self.train.context_parallel
+        if cp > 1 and experts:
+            fail(
+                "train.context_parallel",
+                cp,
+                f"1 with a mixture of experts (model.moe_experts={experts}): context parallelism "
+                "and expert routing do not combine yet",
+            )
+        if cp > 1 and self.data.seq_len < 2 * cp:
+            fail(
+                "train.context_parallel",
+                cp,
+                f"at most data.seq_len / 2 = {self.data.seq_len // 2} (each rank holds two "
+                "chunks of every sequence)",
             )
         if self.train.eval_every and not self.data.eval_fraction:
             fail(

@@ -161,9 +161,8 @@ class Trainer:
         # save committed): on the CPU, so they cost no device sync.
         self.control = dist.new_group(backend="gloo") if self.world > 1 else None
         per_node = ranks_per_node(ctx.local_world_size, self.control)
-        self.mesh = build_mesh(
-            cfg.sharding, self.rank, self.world, per_node, experts=cfg.model.moe_experts
-        )
+        self.mesh = build_mesh(cfg.sharding, self.rank, self.world, per_node,
+                               experts=cfg.model.moe_experts, context=t.context_parallel)  # fmt: skip
         print0(f"mesh: {self.mesh.describe()}")
         # Weights that a checkpoint or a Hugging Face model will overwrite are not initialised.
         self.resuming = bool(ctx.resume_from) or has_checkpoint(ctx.checkpoint_root)
@@ -257,10 +256,10 @@ class Trainer:
     def make_loader(self) -> Loader:
         """This rank's micro-batches from the current step on, prepared ahead in a background
         thread (in pinned memory on a GPU)."""
-        return Loader(
+        return Loader(  # the ranks of a context group read the same samples
             self.batches,
-            self.rank,
-            self.world,
+            self.mesh.data_rank,
+            self.mesh.data_size,
             self.cfg.train.micro_batches,
             self.step,
             self.cfg.train.steps,
@@ -311,7 +310,8 @@ class Trainer:
         if not self.eval_due():
             return None
         loss = evaluate(
-            self.model, self.eval_batches, self.rank, self.world, self.eval_rows(), self.device,
+            self.model, self.eval_batches, self.mesh.data_rank, self.mesh.data_size,
+            self.eval_rows(), self.device,
             self.loss_chunk_tokens,
         )  # fmt: skip
         self.result.eval_losses.append((self.step - 1, loss))
@@ -334,7 +334,7 @@ class Trainer:
 
     def eval_rows(self) -> int:
         """Sequences per evaluation forward: the training micro-batch's, so memory is as trained."""
-        per_rank = -(-self.cfg.train.global_batch_size // self.world)
+        per_rank = -(-self.cfg.train.global_batch_size // self.mesh.data_size)
         return max(1, -(-per_rank // self.cfg.train.micro_batches))
 
     def stop_requested(self) -> bool:
@@ -424,7 +424,9 @@ def evaluate(
 ) -> float:
     """Mean token loss over batches' first global_batch positions, all ranks together (every rank
     runs the same number of forwards: the engine gathers parameters collectively); the loss
-    `loss_chunk_tokens` at a time as in training (0: from the whole logits)."""
+    `loss_chunk_tokens` at a time as in training (0: from the whole logits). `rank` and `world`
+    split the samples (the mesh's data_rank and data_size: a context group reads the same ones
+    and sums its chunks' losses); the sums are all-reduced over every rank."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for mb in batches.fixed_micro_batches(batches.global_batch, rank, world, rows):
@@ -432,7 +434,7 @@ def evaluate(
             s, n = micro_batch_loss(model, inputs, targets, weight, positions, loss_chunk_tokens)
             n = torch.as_tensor(n, dtype=torch.float64, device=device)
             total += torch.stack([s.double(), n])
-    if world > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return float(total[0] / total[1])
 

@@ -211,11 +211,12 @@ def micro_batch_loss(
 ):
     """(token-loss sum, tokens counted) of one micro-batch: chunk 0 from the logits the model
     returns (loss_sum); chunk > 0 by the model itself, its head and the loss `chunk` tokens at a
-    time (trainer.model.Transformer's targets=), so the whole logits never exist. Inside the
+    time (trainer.model.Transformer's targets=), so the whole logits never exist; under context
+    parallelism the model always takes the targets (its chunks' tokens are its own). Inside the
     model's forward, the engine's units (and FSDP2's) have the head's weight gathered. `real`:
     the non-padding tokens, for a mixture of experts' routing statistics (given only then)."""
     extra = {} if real is None else {"real": real}
-    if not chunk:
+    if not chunk and not splits_sequences(model):
         return loss_sum(forward(model, inputs, positions, **extra), targets, weight)
     return forward(
         model,
@@ -226,6 +227,12 @@ def micro_batch_loss(
         loss_chunk_tokens=chunk,
         **extra,
     )
+
+
+def splits_sequences(model) -> bool:
+    """Whether the model (or the one the engine wraps) computes its context chunks only."""
+    inner = getattr(model, "module", model)
+    return getattr(inner, "context_split", None) is not None
 
 
 def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:

@@ -243,17 +243,17 @@ def test_the_expert_degree_is_re_planned_at_a_world_it_does_not_divide():
     from trainer.fsdp.mesh import mesh_plan
 
     sh = ShardingConfig(strategy="FULL_SHARD", expert_parallel=4)
-    assert mesh_shape(sh, 8, experts=8) == {"replicate": 1, "shard": 2, "expert": 4}
+    assert mesh_shape(sh, 8, experts=8) == {"replicate": 1, "shard": 2, "expert": 4, "context": 1}
     shape, why = mesh_plan(sh, 6, experts=8)  # 4 does not divide 6: 2 divides 6 and 8
-    assert shape == {"replicate": 1, "shard": 3, "expert": 2}
+    assert shape == {"replicate": 1, "shard": 3, "expert": 2, "context": 1}
     assert "sharding.expert_parallel=4 does not divide the 6 ranks" in why
     assert "2 is the largest degree below it dividing both them and the 8 experts" in why
     assert mesh_shape(sh, 3, experts=8)["expert"] == 1
     # NO_SHARD cuts the expert axis from the replicas; HYBRID from the node's shard group
     no = ShardingConfig(strategy="NO_SHARD", expert_parallel=2)
-    assert mesh_shape(no, 4, experts=8) == {"replicate": 2, "shard": 1, "expert": 2}
+    assert mesh_shape(no, 4, experts=8) == {"replicate": 2, "shard": 1, "expert": 2, "context": 1}
     hy = ShardingConfig(strategy="HYBRID_SHARD", expert_parallel=2, hybrid_shard_group_size=4)
-    assert mesh_shape(hy, 8, experts=8) == {"replicate": 2, "shard": 2, "expert": 2}
+    assert mesh_shape(hy, 8, experts=8) == {"replicate": 2, "shard": 2, "expert": 2, "context": 1}
     with pytest.raises(ConfigError, match=r"expert_parallel=4 does not divide the model's 6 "
                        r"experts; valid: 1, 2, 3, 6"):  # fmt: skip
         mesh_shape(sh, 8, experts=6)

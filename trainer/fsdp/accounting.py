@@ -76,7 +76,8 @@ class Accounting:
             end.synchronize()
             self.exposed_s[op] += start.elapsed_time(end) / 1000.0
         self._wait_events.clear()
-        ops = (*COMM_OPS, "all_to_all") if "all_to_all" in self.exposed_s else COMM_OPS
+        # the synchronous exchanges too when this model has them (all_to_all, context)
+        ops = (*COMM_OPS, *sorted(op for op in self.exposed_s if op not in COMM_OPS))
         return {op: 1000.0 * self.exposed_s.get(op, 0.0) for op in ops}
 
     def reset_step(self) -> None:

@@ -28,6 +28,7 @@ from . import state
 from .accounting import Accounting
 from .collectives import Collectives
 from .config import Offload, Rounding, ShardingStrategy
+from .context import split_sequences
 from .experts import localize_experts
 from .flat_param import FlatParameter
 from .hooks import StepHooks
@@ -80,6 +81,7 @@ class FSDPModel(torch.nn.Module):
         self.acct = Accounting(trace_enabled=trace)
         self.comm = Collectives(self.acct, self.device)
         localize_experts(model, mesh, self.acct)  # a mixture on the expert axis: its experts
+        split_sequences(model, mesh, self.acct)  # the context axis: this rank's chunks, K/V
         specs = transformer_policy(model) if units is None else units
         strategies = [mesh.strategy] * len(specs) if strategies is None else list(strategies)
         if isinstance(offload, bool):

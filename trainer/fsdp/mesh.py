@@ -13,20 +13,27 @@ consecutive ranks share every axis but the inner ones):
 | replicate | the data (HYBRID: across nodes) | W / shard under HYBRID_SHARD, W under NO_SHARD |
 | shard     | the data and the parameters     | W (FULL_SHARD, SHARD_GRAD_OP), a node (HYBRID) |
 | expert    | the data and a mixture's experts | sharding.expert_parallel, cut from shard (*)  |
+| context   | each sequence (its tokens)      | train.context_parallel, cut from shard (*)     |
 
-(*) From replicate under NO_SHARD. At a resize to a world it does not divide, the largest degree
-below it dividing both the ranks and the experts (expert_degree, said in the log line).
+(*) From replicate under NO_SHARD. At a resize to a world it does not divide, the expert axis
+takes the largest degree below it dividing both the ranks and the experts (expert_degree, said in
+the log line); the context axis is never re-planned (a ConfigError names the valid degrees: a
+different degree would be a different sequence split, which the job fixed).
 
-The context and tensor axes take their place after `shard` when they land (see docs/engine.md,
-"The mesh"). A strategy is a shape of the mesh (mesh_plan) and, per unit, a placement: which
+`context` is innermost: a context group is consecutive ranks (inside a node, where the per-layer
+K/V all-gather runs). It splits the tokens, not the samples: the ranks of one context group read
+the same samples (`data_rank`, `data_size` leave it out), and parameters are sharded over it as
+over the data axes (torchtitan's dp_shard_cp), gradients reduce-scattered over the same group.
+The tensor axis takes its place after `context` when it lands (docs/engine.md, "The mesh"). A
+strategy is a shape of the mesh (mesh_plan) and, per unit, a placement: which
 axes the unit's flat parameters are sharded over (all-gather, reduce-scatter) and which they are
 replicated over (all-reduce of the shards):
 
 | unit strategy             | sharded over          | replicated over        |
 |---------------------------|-----------------------|------------------------|
-| FULL_SHARD, SHARD_GRAD_OP | every data axis       | -                      |
-| HYBRID_SHARD              | shard x expert        | replicate              |
-| NO_SHARD                  | -                     | every data axis        |
+| FULL_SHARD, SHARD_GRAD_OP | every axis            | -                      |
+| HYBRID_SHARD              | shard x expert x context | replicate           |
+| NO_SHARD                  | -                     | every axis             |
 
 So FULL_SHARD on a HYBRID_SHARD mesh (sharding.modules) shards over all ranks, and NO_SHARD on a
 FULL_SHARD mesh replicates over all ranks. A group over several axes (a FULL_SHARD unit's
@@ -48,11 +55,14 @@ import torch.distributed as dist
 
 from .config import ConfigError, ShardingConfig, ShardingStrategy
 
-AXES = ("replicate", "shard", "expert")
+AXES = ("replicate", "shard", "expert", "context")
 """The mesh's axes in rank order, outermost first (a node's consecutive ranks differ on the inner
-ones: an expert group is consecutive ranks, its all-to-all inside a node)."""
+ones: an expert group or a context group is consecutive ranks, its exchange inside a node)."""
 DATA_AXES = ("replicate", "shard", "expert")
-"""The axes the data is split over (each rank of them reads its own samples)."""
+"""The axes the samples are split over (each rank of them reads its own samples); the context
+axis splits each sample's tokens instead."""
+PARAM_AXES = (*DATA_AXES, "context")
+"""The axes a parameter may be sharded or replicated over: all of them."""
 
 
 def hybrid_group_size(world_size: int, requested: int, local_world_size: int) -> tuple[int, str]:
@@ -72,12 +82,53 @@ def hybrid_group_size(world_size: int, requested: int, local_world_size: int) ->
 
 
 def mesh_plan(
-    cfg: ShardingConfig, world_size: int, local_world_size: int = 1, experts: int = 0
+    cfg: ShardingConfig,
+    world_size: int,
+    local_world_size: int = 1,
+    experts: int = 0,
+    context: int = 1,
 ) -> tuple[dict[str, int], str]:
     """The size of every axis of `cfg`'s mesh at `world_size` (in AXES order; they multiply to
     the world size), and one line saying why. The one place a world size becomes a mesh: the
     engine, the planner and the elastic re-plan at a resize all ask here. `experts`: a
-    mixture's experts per sparse layer (0: dense), what the expert axis must divide."""
+    mixture's experts per sparse layer (0: dense), what the expert axis must divide; `context`:
+    train.context_parallel, cut from the shard axis (replicate under NO_SHARD)."""
+    shape, why = _data_plan(cfg, world_size, local_world_size, experts, context)
+    if context > 1:
+        shape["context"] = context
+        why += f", each sequence over {context} ranks (train.context_parallel)"
+    else:
+        shape["context"] = 1
+    return shape, why
+
+
+def context_problem(
+    cfg: ShardingConfig, world_size: int, context: int, local_world_size: int = 1
+) -> Optional[str]:
+    """Why train.context_parallel=`context` cannot split a world of `world_size` (None: it can):
+    it must divide the ranks it is cut from (the world; under HYBRID_SHARD its shard group)."""
+    if context <= 1:
+        return None
+    if cfg.strategy is ShardingStrategy.HYBRID_SHARD:
+        group, _ = hybrid_group_size(world_size, cfg.hybrid_shard_group_size, local_world_size)
+        where = f"the HYBRID_SHARD shard group of {group} ranks"
+    else:
+        group, where = world_size, f"the world size {world_size}"
+    if group % context == 0:
+        return None
+    valid = ", ".join(str(d) for d in divisors(group))
+    return (
+        f"invalid config: train.context_parallel={context} does not divide {where}; valid: "
+        f"{valid} (or a world size that {context} divides)"
+    )
+
+
+def _data_plan(
+    cfg: ShardingConfig, world_size: int, local_world_size: int, experts: int, context: int
+) -> tuple[dict[str, int], str]:
+    problem = context_problem(cfg, world_size, context, local_world_size)
+    if problem:
+        raise ConfigError(problem)
     strategy = cfg.strategy
     why = f"{strategy} over {world_size} rank{'s' if world_size > 1 else ''}"
     if strategy is ShardingStrategy.NO_SHARD:
@@ -88,6 +139,11 @@ def mesh_plan(
     else:
         shard = world_size
     replicate = world_size // shard
+    if context > 1:  # cut from the shard axis (from replicate under NO_SHARD)
+        if shard > 1:
+            shard //= context
+        else:
+            replicate //= context
     if cfg.expert_parallel > 1:  # cut from the shard axis (from replicate under NO_SHARD)
         group = shard if shard > 1 else replicate
         ep, degree = expert_degree(cfg.expert_parallel, group, experts)
@@ -128,10 +184,14 @@ def divisors(n: int) -> list[int]:
 
 
 def mesh_shape(
-    cfg: ShardingConfig, world_size: int, local_world_size: int = 1, experts: int = 0
+    cfg: ShardingConfig,
+    world_size: int,
+    local_world_size: int = 1,
+    experts: int = 0,
+    context: int = 1,
 ) -> dict[str, int]:
     """mesh_plan's sizes alone."""
-    return mesh_plan(cfg, world_size, local_world_size, experts)[0]
+    return mesh_plan(cfg, world_size, local_world_size, experts, context)[0]
 
 
 @dataclass(frozen=True)
@@ -297,6 +357,17 @@ class Mesh:
             )
         return self._placements[key]
 
+    @property
+    def data_rank(self) -> int:
+        """Which share of the samples this rank reads (the ranks of a context group read the
+        same samples and split their tokens)."""
+        return self.coord(*DATA_AXES)
+
+    @property
+    def data_size(self) -> int:
+        """How many shares the samples are split into: the world size over the context degree."""
+        return self.size(*DATA_AXES)
+
     # The mesh's own placement, by the names the engine has always used.
     @property
     def shard_size(self) -> int:
@@ -333,28 +404,39 @@ class Mesh:
 def placement_axes(strategy: ShardingStrategy) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(axes sharded over, axes replicated over) of a dense unit of `strategy`."""
     if strategy is ShardingStrategy.NO_SHARD:
-        return (), DATA_AXES
+        return (), PARAM_AXES
     if strategy is ShardingStrategy.HYBRID_SHARD:
-        return ("shard", "expert"), ("replicate",)
-    return DATA_AXES, ()
+        return ("shard", "expert", "context"), ("replicate",)
+    return PARAM_AXES, ()
 
 
 def build_mesh(
-    cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1, experts: int = 0
+    cfg: ShardingConfig,
+    rank: int,
+    world_size: int,
+    local_world_size: int = 1,
+    experts: int = 0,
+    context: int = 1,
 ) -> Mesh:
     """The mesh of `cfg` at this world size, with the groups of its own placement created.
     Collective: every rank must call it with the same arguments. local_world_size is
-    HYBRID_SHARD's default shard group (ranks per node); `experts`, a mixture's experts."""
-    shape, why = mesh_plan(cfg, world_size, local_world_size, experts)
+    HYBRID_SHARD's default shard group (ranks per node); `experts`, a mixture's experts;
+    `context`, train.context_parallel."""
+    shape, why = mesh_plan(cfg, world_size, local_world_size, experts, context)
     mesh = Mesh(rank, world_size, shape, cfg.strategy, why=why)
     mesh.placement()
     return mesh
 
 
 def virtual_mesh(
-    cfg: ShardingConfig, rank: int, world_size: int, local_world_size: int = 1, experts: int = 0
+    cfg: ShardingConfig,
+    rank: int,
+    world_size: int,
+    local_world_size: int = 1,
+    experts: int = 0,
+    context: int = 1,
 ) -> Mesh:
     """The mesh `build_mesh` would give `rank`, without process groups: for planning on the meta
     device, where nothing communicates."""
-    shape, why = mesh_plan(cfg, world_size, local_world_size, experts)
+    shape, why = mesh_plan(cfg, world_size, local_world_size, experts, context)
     return Mesh(rank, world_size, shape, cfg.strategy, virtual=True, why=why)

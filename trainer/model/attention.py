@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .context import SplitAttention
 from .initialization import linear, residual_std
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
@@ -63,6 +64,9 @@ class AttentionContext:
     real: Optional[torch.Tensor] = None
     """[B, T] bool, the tokens that are not padding (None: all): what the mixture of experts'
     routing statistics count (trainer/model/moe.py)."""
+    split: Optional["SplitAttention"] = None
+    """Context parallelism (trainer/model/context.py): this rank's chunks attend to the whole
+    sequence's keys and values, gathered per layer; `mask` is then unused."""
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -155,6 +159,9 @@ class Attention(nn.Module):
         if ctx.cache is not None:
             offset = ctx.cache.length
             k, v = ctx.cache.append(self.layer, k, v)
+        if ctx.split is not None:  # this rank's chunks over the whole sequence's K/V
+            out = ctx.split.attend(q, k, v, self._repeat_kv, attend)
+            return self.wo(out.reshape(b, t, -1))
         k, v = self._repeat_kv(k), self._repeat_kv(v)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx.mask, offset)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))

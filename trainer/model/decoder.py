@@ -34,6 +34,7 @@ from trainer.loss import projected_loss_sum
 
 from .attention import Attention, AttentionContext, KVCache, document_mask
 from .config import ModelConfig
+from .context import ContextSplit
 from .feedforward import FeedForward
 from .initialization import init_parameters
 from .moe import LoadBalance, MoE
@@ -94,7 +95,12 @@ class Transformer(nn.Module):
 
     `positions` [B, T]: each token's position inside its document, a 0 starting the next one
     (packed fine-tuning windows, data.document_mask): attention stays inside each document and
-    the rotary embedding uses these positions. `cache`: a KVCache to append to (generation)."""
+    the rotary embedding uses these positions. `cache`: a KVCache to append to (generation).
+
+    With `context_split` set (context parallelism) a forward with `targets` is given the whole
+    micro-batch and computes this rank's two chunks of it (trainer/model/context.py): the loss
+    sum and count are over those tokens. Without targets it computes every token (logits of the
+    whole sequence, as generation and evaluation of logits expect)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -113,6 +119,9 @@ class Transformer(nn.Module):
         self.balance = LoadBalance(sparse, cfg.router_aux_loss_coef) if sparse else None
         for moe in sparse:
             moe.balance = self.balance
+        # Context parallelism (trainer/model/context.py): set by the engine when the mesh splits
+        # sequences; a forward with targets then computes this rank's chunks only.
+        self.context_split: Optional[ContextSplit] = None
         # Tied: the head reads the embedding matrix; there is no second parameter to keep equal.
         self.output = (
             None if cfg.tie_embeddings else OutputHead(cfg.dim, cfg.vocab_size, cfg.init_std)
@@ -129,8 +138,17 @@ class Transformer(nn.Module):
         loss_chunk_tokens: int = 0,
         real: Optional[torch.Tensor] = None,
     ):
+        split = None
+        if self.context_split is not None and targets is not None and cache is None:
+            tokens, positions, targets, loss_weight, real, split = self.context_split.shard(
+                tokens, positions, targets, loss_weight, real
+            )
         h = self.tok_embeddings(tokens)
-        ctx = self.context(tokens, positions, cache, h.dtype)
+        if split is not None:  # this rank's chunks, at their positions in the whole sequence
+            cos_sin = self.rotary.at(positions, tokens.device, h.dtype, span=split.padded)
+            ctx = AttentionContext(cos_sin, split=split)
+        else:
+            ctx = self.context(tokens, positions, cache, h.dtype)
         ctx.real = real
         for layer in self.layers:
             h = layer(h, ctx)

@@ -46,15 +46,18 @@ class RotaryEmbedding:
                 self._cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
         return self._cache[key]
 
-    def at(self, positions: Positions, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def at(
+        self, positions: Positions, device, dtype, span: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) shaped to rotate [B, T, heads, head_dim]: for T positions from `offset`
-        (an int pair (offset, T)) or for per-token positions (a LongTensor [B, T])."""
+        (an int pair (offset, T)) or for per-token positions (a LongTensor [B, T]) below `span`
+        (default T: a window's own positions; a context-parallel chunk's are the sequence's)."""
         if isinstance(positions, tuple):
             offset, t = positions
             cos, sin = self.tables(offset + t, device, dtype)
             return cos[None, offset:, None, :], sin[None, offset:, None, :]
         # Positions inside a window are below its length: the table of T rows covers them.
-        cos, sin = self.tables(positions.shape[1], device, dtype)
+        cos, sin = self.tables(max(span, positions.shape[1]), device, dtype)
         return cos[positions][:, :, None, :], sin[positions][:, :, None, :]
 
     def __call__(self, x: torch.Tensor, cos_sin=None) -> torch.Tensor:
