@@ -161,8 +161,8 @@ class Trainer:
         # save committed): on the CPU, so they cost no device sync.
         self.control = dist.new_group(backend="gloo") if self.world > 1 else None
         per_node = ranks_per_node(ctx.local_world_size, self.control)
-        self.mesh = build_mesh(cfg.sharding, self.rank, self.world, per_node,
-                               experts=cfg.model.moe_experts, context=t.context_parallel)  # fmt: skip
+        experts, context = cfg.model.moe_experts, t.context_parallel
+        self.mesh = build_mesh(cfg.sharding, self.rank, self.world, per_node, experts, context)
         print0(f"mesh: {self.mesh.describe()}")
         # Weights that a checkpoint or a Hugging Face model will overwrite are not initialised.
         self.resuming = bool(ctx.resume_from) or has_checkpoint(ctx.checkpoint_root)
