@@ -26,6 +26,7 @@ from typing import Optional
 from cluster.run.layout import checkpoint_root
 from trainer.config import (
     ConfigError,  # noqa: F401 -- cluster/ takes the config's error from here
+    ShardingConfig,
     ShardingStrategy,
     TrainConfig,
     TrainerConfig,
@@ -312,6 +313,7 @@ class JobConfig(TrainerConfig):
                 f"a divisor of the world size {lo} ({divisors}), or 0 (ranks per node)",
             )
         self._check_expert_degree(lo, hi)
+        self._check_context_degree(lo, hi)
         return self
 
     def _check_expert_degree(self, lo: int, hi: int) -> None:
@@ -334,11 +336,54 @@ class JobConfig(TrainerConfig):
                 f"is cut from at {lo} workers ({', '.join(map(str, valid))})",
             )
 
+    def splits_context(self, world_size: int) -> bool:
+        """Whether train.context_parallel splits a world of `world_size` (context_splits)."""
+        return context_splits(self.sharding, self.train.context_parallel, world_size)
+
+    def _check_context_degree(self, lo: int, hi: int) -> None:
+        """train.context_parallel must split every world the run may start at: a fixed size, or
+        both ends of an elastic range. Unlike the expert axis it is never re-planned (another
+        degree splits every sequence another way): an elastic run starts groups only at the
+        sizes between min and max that it splits (cluster/elastic/cluster_view.py), and an end
+        it does not split would be a size it could never start at."""
+        cp = self.train.context_parallel
+        if self.splits_context(lo) and self.splits_context(hi):
+            return
+        if lo == hi:
+            from trainer.fsdp.mesh import context_problem  # noqa: PLC0415 -- torch, as below
+
+            raise ConfigError(context_problem(self.sharding, lo, cp, lo))
+        ends = (lo, hi)
+        degrees = [d for d in range(1, lo + 1) if all(context_splits(self.sharding, d, n)
+                                                      for n in ends)]  # fmt: skip
+        sizes = [n for n in range(1, hi + 2 * cp + 1) if self.splits_context(n)][:6]
+        fail(
+            "train.context_parallel",
+            cp,
+            f"a degree that splits both ends of cluster.min_workers..max_workers={lo}..{hi} "
+            f"({', '.join(map(str, degrees))}), or min_workers and max_workers among the world "
+            f"sizes {cp} splits ({', '.join(map(str, sizes))}, ...): an elastic run starts its "
+            "groups only at those",
+        )
+
     @property
     def checkpoint_root(self) -> str:
         """The run's checkpoints: inside Ray's run folder, so one run name means one checkpoint
         history, and a resubmitted run finds its checkpoints again."""
         return checkpoint_root(self.cluster.storage_path, self.cluster.run_name)
+
+
+def context_splits(sharding: ShardingConfig, context: int, world_size: int) -> bool:
+    """Whether train.context_parallel=`context` splits a world of `world_size`: it divides the
+    world (under HYBRID_SHARD the shard group, the ranks per node taken as the whole world: a
+    node's count the driver cannot know is checked again by each worker's mesh). The one test of
+    a world size: the refusal at submit and the elastic layer's choice of the next group's size
+    (cluster/elastic/cluster_view.py) both ask here."""
+    if context == 1:
+        return True
+    from trainer.fsdp.mesh import context_problem  # noqa: PLC0415 -- torch: only for context
+
+    return context_problem(sharding, world_size, context, world_size) is None
 
 
 def snapshots_on(cfg: JobConfig) -> bool:

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from cluster.config import JobConfig, job_from_dict
 from cluster.elastic.grow import GrowDrain
 
 try:  # Ray's internals, probed: where they moved, the policy's 1 s cache (Ray 2.60) is assumed
@@ -54,6 +55,13 @@ class ClusterView(ControllerCallback):
       decision to what those nodes hold (never below min_workers, never higher than Ray
       decided), the fallback where Ray's policy moved.
 
+    And one rule of the job's: train.context_parallel splits only some world sizes (it is never
+    re-planned, JobConfig.splits_context): the count is lowered to the largest size it splits
+    (a group Ray would start at 3 with context 2 starts at 2; a running group of 2 that could
+    grow to 3 keeps running), and so is every decision, so no group starts that its workers'
+    mesh would refuse. The job is read from the run's train_loop_config when the controller
+    starts.
+
     Its hooks never raise (Ray would count a callback error as a failure of the run): an error in
     the renewal switches it off, Ray's own tick still works; the clipping falls back to Ray's
     decision."""
@@ -84,9 +92,11 @@ class ClusterView(ControllerCallback):
         self._off = False
         self._resizing_running = False  # Ray decided to resize the running group
         self._size: Optional[int] = None  # the size of the group running (the last decision's)
+        self._job: Optional[JobConfig] = None  # the run's job, read when the controller starts
 
     def after_controller_start(self, train_run_context) -> None:
-        if not count_usable_nodes_only():
+        self._job = run_job(train_run_context)
+        if not count_usable_nodes_only(startable=self._startable):
             print(
                 "elastic: Ray's elastic policy has no _count_possible_workers to wrap (Ray "
                 "moved it): a draining node may cost a restart of the group at its own size",
@@ -117,9 +127,11 @@ class ClusterView(ControllerCallback):
                 flush=True,
             )
             resize_decision.num_workers = fits
+        self._split_context(resize_decision)
         growing = self._size is not None and resize_decision.num_workers > self._size
         if self._resizing_running and growing:
             resize_decision.num_workers = self._settle(resize_decision)
+            self._split_context(resize_decision)
             self._warm_joined_nodes(resize_decision)
             if self.grow is not None:
                 self._drain_before_resize(resize_decision.num_workers)
@@ -129,6 +141,25 @@ class ClusterView(ControllerCallback):
             self._group_nodes = {n["NodeID"] for n in usable_nodes()}
         except Exception:  # only for the next grow's spares
             self._group_nodes = None
+
+    def _startable(self, n: int) -> int:
+        """The largest world size <= n the job's train.context_parallel splits (0: none)."""
+        if self._job is None:
+            return n
+        return next((m for m in range(n, 0, -1) if self._job.splits_context(m)), 0)
+
+    def _split_context(self, decision) -> None:
+        """Lower the decision to a size train.context_parallel splits (never below min_workers:
+        a range whose ends it does not split is refused at submit, JobConfig.validate)."""
+        n = self._startable(decision.num_workers)
+        if self.min_workers <= n < decision.num_workers:
+            print(
+                f"elastic: Ray chose {decision.num_workers} workers, but "
+                f"train.context_parallel={self._job.train.context_parallel} does not split "
+                f"them: starting {n}",
+                flush=True,
+            )
+            decision.num_workers = n
 
     def _settle(self, decision, sleep=time.sleep, clock=time.monotonic) -> int:
         """Nodes of a scale-up come a second or more apart: Ray grows the group onto the first,
@@ -260,17 +291,30 @@ def release_dead_launch_request(folder, launch_id: str, run_id: str, log=print) 
     return cancelled
 
 
+def run_job(train_run_context) -> Optional[JobConfig]:
+    """The job of the run (cluster/launch.py hands it to the workers as train_loop_config's
+    "job"); None where it is not there (a test's controller)."""
+    try:
+        return job_from_dict(train_run_context.train_loop_config["job"])
+    except Exception:  # Ray's decisions stand unchanged
+        return None
+
+
 def usable_nodes() -> list[dict]:
     """ray.nodes() entries of the alive nodes not being drained."""
     draining = set(ray._private.state.state.get_draining_nodes())
     return [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in draining]
 
 
-def count_usable_nodes_only(policy_cls=ElasticScalingPolicy) -> bool:
+def count_usable_nodes_only(
+    policy_cls=ElasticScalingPolicy, startable: Optional[Callable[[int], int]] = None
+) -> bool:
     """Wrap `policy_cls._count_possible_workers` (in this process: the controller's) so that its
     count never exceeds what the alive, non-draining nodes hold, and never drops below the size
-    of the group running. False where the policy lacks the methods; calling it again is
-    harmless.
+    of the group running; then `startable(count)`: the largest size <= it the job can start at
+    (ClusterView._startable: one train.context_parallel splits; a count below min_workers makes
+    Ray wait, one equal to the running size leaves the group alone). False where the policy
+    lacks the methods; calling it again is harmless (and sets `startable`).
 
     A cap, not a filter of the coordinator's reservation: the coordinator reserves the group's
     bundles (up to max_workers) on nodes of its own view, a draining node among them; leaving
@@ -284,20 +328,13 @@ def count_usable_nodes_only(policy_cls=ElasticScalingPolicy) -> bool:
     running = getattr(policy_cls, "make_decision_for_running_worker_group", None)
     if count is None or running is None:
         return False
+    policy_cls._startable = staticmethod(startable or (lambda n: n))
     if getattr(count, "_usable_nodes_only", False):
         return True
 
     @functools.wraps(count)
     def _count_possible_workers(self, reserved_resources):
-        counted = count(self, reserved_resources)
-        per_worker = self.scaling_config._resources_per_worker_not_none
-        if not any(v > 0 for v in per_worker.values()):
-            return counted  # workers that need nothing fit anywhere
-        try:
-            fits = workers_that_fit(per_worker)
-        except Exception:  # Ray's own count stands
-            return counted
-        return min(counted, max(fits, getattr(self, "_running_size", 0)))
+        return self._startable(usable_count(self, count(self, reserved_resources)))
 
     @functools.wraps(running)
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
@@ -306,6 +343,16 @@ def count_usable_nodes_only(policy_cls=ElasticScalingPolicy) -> bool:
             return running(self, worker_group_state, worker_group_status)
         finally:
             self._running_size = 0
+
+    def usable_count(self, counted: int) -> int:
+        per_worker = self.scaling_config._resources_per_worker_not_none
+        if not any(v > 0 for v in per_worker.values()):
+            return counted  # workers that need nothing fit anywhere
+        try:
+            fits = workers_that_fit(per_worker)
+        except Exception:  # Ray's own count stands
+            return counted
+        return min(counted, max(fits, getattr(self, "_running_size", 0)))
 
     _count_possible_workers._usable_nodes_only = True
     policy_cls._count_possible_workers = _count_possible_workers
