@@ -29,8 +29,13 @@ returns) is killed at its limit and leaves every earlier result:
   08 moe       a mixture of experts (benchmarks/gpu_moe.py): the experts' torch._grouped_mm
                against a loop of matmuls at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, and a
                0.7B-parameter mixture trained on our engine, MFU on its active FLOPs, beside the
-               dense model of its active parameters. Last: it is the newest, and takes no time
-               from the stages before it (with 1b absent it follows bench_125m)
+               dense model of its active parameters. After the benches: it takes no time from
+               the stages before it (with 1b absent it follows bench_125m)
+  09 context   context parallelism (benchmarks/gpu_context.py): 1b training one 32k-token
+               sequence on the GPU with activation checkpointing (tokens/s, MFU, peak memory),
+               and one rank's attention at context 2, 4 and 8 (its two chunks over the key
+               ranges they read, forward + backward) against the whole sequence's. Last: it is
+               the newest
 
 The whole run keeps within --budget-s (default 600: the lent H200 gives 15 minutes, its start
 and the transfers included): a stage
@@ -52,7 +57,9 @@ it yet; 01_env.json and the stages' seconds in summary.json are the first real f
   the same graphs from inductor's cache; 15 steps per contestant; the offloaded 1b steps AdamW on
   the host, seconds a step, so 4 steps); moe ~40 s (start ~10 s; the two expert shapes, 10
   forward + backward passes of each path, ~5 s; the 0.7B mixture initialised on the host ~5 s,
-  15 steps of 16k tokens at ~50 ms, and its dense twin). About 9 minutes in all; the limits
+  15 steps of 16k tokens at ~50 ms, and its dense twin); context ~45 s (start ~10 s, the 1b on
+  the host ~20 s, 4 steps of one 32k sequence at ~2 s, attention ~10 s), skipped when the
+  others leave it under MIN_STAGE_S. About 10 minutes in all; the limits
   below sum past the budget on purpose, so a slow stage cannot take more than its own limit
   from the others.
 """
@@ -127,6 +134,8 @@ def stages(models: tuple[str, ...]) -> list[Stage]:
         out.append(Stage(len(out) + 1, "bench_1b_levers", 300, argv))
     # after every earlier stage: what they leave of the budget (~2 minutes, estimated) is its
     out.append(Stage(len(out) + 1, "moe", 90, ("benchmarks.gpu_moe", "--file", "{file}")))
+    # the newest, so after the mixture's: it takes what the others leave
+    out.append(Stage(len(out) + 1, "context", 90, ("benchmarks.gpu_context", "--file", "{file}")))
     return out
 
 
