@@ -271,9 +271,17 @@ def bench_rank(rank: int, world: int, bench: Bench) -> dict:
 # ---- the planner -------------------------------------------------------------------------------
 def predicted_activation_bytes(bench: Bench, degree: int, checkpointing: bool) -> Optional[int]:
     """PLANNER_HOOK: the planner's activation term per rank for one micro-batch of one sequence
-    split over `degree` context ranks (issue 37: within 15% of the measured). None until
-    trainer/plan/ has the function."""
-    return None
+    split over `degree` context ranks (trainer/plan/context.py activation_bytes: fp32, the
+    whole logits as train_step's default, the CPU's dense masks). None while trainer/plan/ has
+    no such function."""
+    try:  # landing beside this benchmark (issue 37's planner part): absent, the hook says so
+        from trainer.plan.context import activation_bytes  # noqa: PLC0415
+    except ImportError:
+        return None
+    return activation_bytes(
+        bench.model(), rows=1, seq_len=bench.seq, context=degree, checkpointing=checkpointing,
+        param_dtype="float32", loss_chunk_tokens=0, device="cpu",
+    )  # fmt: skip
 
 
 # ---- figures -----------------------------------------------------------------------------------
