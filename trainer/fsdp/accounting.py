@@ -126,10 +126,13 @@ class Accounting:
         exposed = self.exposed_ms()
         for op in COMM_OPS:
             out[f"comm/exposed_{op}_ms"] = exposed[op]
-        if "all_to_all" in self.comm_bytes:  # a mixture of experts on the expert axis
-            out["comm/all_to_all_bytes"] = float(self.comm_bytes["all_to_all"])
-            out["comm/exposed_all_to_all_ms"] = exposed.get("all_to_all", 0.0)
-        out["comm/exposed_ms"] = sum(exposed.values())  # the all-to-all's included
+        # the synchronous exchanges: a mixture's all-to-all (expert axis), the K/V gather
+        # (context axis)
+        for op in ("all_to_all", "context"):
+            if op in self.comm_bytes:
+                out[f"comm/{op}_bytes"] = float(self.comm_bytes[op])
+                out[f"comm/exposed_{op}_ms"] = exposed.get(op, 0.0)
+        out["comm/exposed_ms"] = sum(exposed.values())  # theirs included
         for k in MEMORY_KINDS:
             out[f"mem/{k}_bytes"] = float(self.live.get(k, 0))
             out[f"mem/peak_{k}_bytes"] = float(self.peak.get(k, 0))
