@@ -38,6 +38,8 @@ def test_context_benchmark_measures_less_activation_memory_per_rank_as_the_degre
     assert head["exposed_ms"]["cp1_ac"]["context"] == 0 < head["exposed_ms"]["cp2_ac"]["context"]
     assert all(head["step_ms"][n] > 0 for n in names)
     assert max(head["loss_rel_diff"].values()) <= 1e-5  # the same batches, the same losses
+    predicted = head["predicted_activation_bytes"]  # None until trainer/plan/ has the term
+    assert predicted is None or all(predicted[n]["bytes"] > 0 for n in names)
     lines = context.table(head, SMOKE).splitlines()
     assert lines[0].startswith("contestant") and [x.split()[0] for x in lines[1:4]] == names
     assert any(x.startswith("checkpointing on : activation peak cp2/cp1 ") for x in lines)
