@@ -293,10 +293,17 @@ def release_dead_launch_request(folder, launch_id: str, run_id: str, log=print) 
 
 def run_job(train_run_context) -> Optional[JobConfig]:
     """The job of the run (cluster/launch.py hands it to the workers as train_loop_config's
-    "job"); None where it is not there (a test's controller)."""
+    "job"); None, said, where it cannot be read: Ray's sizes then stand, and a group at a size
+    train.context_parallel does not split ends with its workers' ConfigError."""
     try:
         return job_from_dict(train_run_context.train_loop_config["job"])
-    except Exception:  # Ray's decisions stand unchanged
+    except Exception as e:  # never fail the run over it
+        print(
+            f"elastic: cannot read the run's job from Ray's train_loop_config "
+            f"({type(e).__name__}: {e}); group sizes are Ray's, unchecked against "
+            "train.context_parallel",
+            flush=True,
+        )
         return None
 
 
