@@ -22,7 +22,7 @@ from tests.fsdp.scaffold import rel, update_error
 from trainer.config import ConfigError, ShardingConfig, TrainerConfig, model_config
 from trainer.fsdp import build_mesh, parallelize
 from trainer.fsdp.mesh import mesh_shape
-from trainer.fsdp.state import full_parameters
+from trainer.fsdp.state import full_gradients, full_parameters
 from trainer.model import build_model, initializer, loss_sum
 from trainer.model.context import ContextSplit, chunk_layout, sequence_order
 from trainer.step import train_step
@@ -70,12 +70,14 @@ def reference(documents: bool) -> dict:
         tokens = float(w.sum()) if torch.is_tensor(w) else BATCH * SEQ
         s, _ = loss_sum(model(x, pos), y, w)
         (s / tokens).backward()
+        if step == 0:
+            grads0 = {k: p.grad.clone() for k, p in model.named_parameters()}
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(float(s.detach()) / tokens)
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    return dict(losses=losses, norms=norms, params=params, p0=p0)
+    return dict(losses=losses, norms=norms, params=params, p0=p0, grads0=grads0)
 
 
 def context_run(rank, world, context, documents, checkpointing, strategy="FULL_SHARD"):
@@ -88,18 +90,20 @@ def context_run(rank, world, context, documents, checkpointing, strategy="FULL_S
     opt = adamw(fsdp.param_groups(WD))
     lo = mesh.data_rank * BATCH // mesh.data_size
     hi = (mesh.data_rank + 1) * BATCH // mesh.data_size
-    losses, norms = [], []
+    losses, norms, grads0 = [], [], {}
     for step in range(STEPS):
         x, y, w, pos = data(step, documents)
         tokens = int(w.sum()) if torch.is_tensor(w) else BATCH * SEQ
         w = w[lo:hi] if torch.is_tensor(w) else w
         mb = (x[lo:hi], y[lo:hi], w, None if pos is None else pos[lo:hi])
-        out = train_step(fsdp, opt, [mb], global_tokens=tokens, grad_clip=CLIP, world=world)
+        keep = (lambda: grads0.update(full_gradients(fsdp))) if step == 0 else None
+        out = train_step(fsdp, opt, [mb], global_tokens=tokens, grad_clip=CLIP, world=world,
+                         on_gradients=keep)  # fmt: skip
         losses.append(float(out.loss))
         norms.append(float(out.norm))
     sent = fsdp.acct.comm_bytes.get("context", 0)
     return dict(losses=losses, norms=norms, params=full_parameters(fsdp), context_bytes=sent,
-                shape=dict(mesh.shape))  # fmt: skip
+                shape=dict(mesh.shape), grads0=grads0)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +126,15 @@ def test_context_parallel_trains_as_the_single_process_reference(
     losses = max(rel(a, b) for a, b in zip(r["losses"], ref["losses"]))
     norms = max(rel(a, b) for a, b in zip(r["norms"], ref["norms"]))
     assert losses <= 1e-5 and norms <= 1e-5, (r["losses"], ref["losses"], r["norms"], ref["norms"])
+    # every parameter's gradient of the first step, to 1e-5 of its norm
+    grads = {k: float((r["grads0"][k] - g).norm() / g.norm()) for k, g in ref["grads0"].items()}
+    assert max(grads.values()) <= 1e-5, grads
+    # the updates after 3 steps: AdamW divides by the gradients' root mean square, so the
+    # last-bit differences of the attention kernels' sums grow there (1.3e-4 measured at most);
+    # a lost or doubled update is an error of 1.0 or more
     err = update_error(r["params"], ref["params"], ref["p0"])
     worst = max(err, key=err.get)
-    assert err[worst] <= 1e-4, (worst, err[worst])
+    assert err[worst] <= 1e-3, (worst, err[worst])
     assert all(x["context_bytes"] > 0 for x in results)  # K/V did travel
 
 

@@ -117,9 +117,10 @@ def context_problem(
     if group % context == 0:
         return None
     valid = ", ".join(str(d) for d in divisors(group))
+    other = "shard group" if cfg.strategy is ShardingStrategy.HYBRID_SHARD else "world size"
     return (
         f"invalid config: train.context_parallel={context} does not divide {where}; valid: "
-        f"{valid} (or a world size that {context} divides)"
+        f"{valid} (or a {other} that {context} divides)"
     )
 
 

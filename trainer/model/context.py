@@ -67,7 +67,9 @@ class ChunkAttention:
     lo: int
     hi: int
     mask: object
-    """[B or 1, 1, c, hi - lo] bool (True = may attend), or a FlexAttention BlockMask (CUDA)."""
+    """[B, 1, c, hi - lo] bool (True = may attend: documents on the CPU), a FlexAttention
+    BlockMask (CUDA), or None: plain causal, keys [lo, hi - c) all visible and the last c
+    causally (`causal_chunk_attention`: no mask exists)."""
 
 
 @dataclass
@@ -94,10 +96,66 @@ class SplitAttention:
         for j, part in enumerate(self.chunks):
             keys = whole[:, part.lo : part.hi]
             kj, vj = repeat_kv(keys[..., :hd]), repeat_kv(keys[..., hd:])
-            qj = q[:, j * c : (j + 1) * c]
-            out = attend_fn(qj.transpose(1, 2), kj.transpose(1, 2), vj.transpose(1, 2), part.mask)
+            qj, kj, vj = (x.transpose(1, 2) for x in (q[:, j * c : (j + 1) * c], kj, vj))
+            if part.mask is None:
+                out = causal_chunk_attention(qj, kj, vj)
+            else:
+                out = attend_fn(qj, kj, vj, part.mask)
             outs.append(out.transpose(1, 2))
         return torch.cat(outs, dim=1)
+
+
+def causal_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, H, c, hd], the last c of k/v's keys its own positions: the keys before them all
+    visible, the last c causal (query i sees key i of them and those before). No mask is built:
+    on the CPU the two parts run as flash attention (a dense mask of c x keys would be copied to
+    fp32 on every call, more memory than the split saves) and are merged by their log-sum-exp,
+    whose backward is exact (`_CausalChunk`); elsewhere one masked call."""
+    c, keys = q.shape[2], k.shape[2]
+    if keys == c:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.device.type == "cpu":
+        return _CausalChunk.apply(q, k, v)
+    allowed = torch.arange(keys, device=q.device)[None, :] <= (
+        keys - c + torch.arange(c, device=q.device)[:, None]
+    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _CausalChunk(torch.autograd.Function):
+    """Attention of q over a visible prefix and a causal square, merged by log-sum-exp (as ring
+    attention merges blocks): out = sum_p exp(lse_p - lse) out_p. Backward runs each part's flash
+    backward with the merged output and log-sum-exp, which is the exact gradient of the whole
+    softmax (each part's probabilities are exp(s - lse) with the whole row's lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        split = k.shape[2] - q.shape[2]
+        kp, vp, kd, vd = k[:, :, :split], v[:, :, :split], k[:, :, split:], v[:, :, split:]
+        out_p, lse_p = _flash(q, kp, vp, 0.0, False)
+        out_d, lse_d = _flash(q, kd, vd, 0.0, True)
+        lse = torch.logaddexp(lse_p, lse_d)
+        out = out_p * torch.exp(lse_p - lse).unsqueeze(-1).to(out_p.dtype)
+        out = out + out_d * torch.exp(lse_d - lse).unsqueeze(-1).to(out_d.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        split = k.shape[2] - q.shape[2]
+        grad = grad.contiguous()
+        dq_p, dk_p, dv_p = _flash_backward(
+            grad, q, k[:, :, :split], v[:, :, :split], out, lse, 0.0, False
+        )
+        dq_d, dk_d, dv_d = _flash_backward(
+            grad, q, k[:, :, split:], v[:, :, split:], out, lse, 0.0, True
+        )
+        return dq_p + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
 
 
 class ContextSplit:
@@ -171,8 +229,9 @@ class ContextSplit:
             mask = create_block_mask(
                 mask_mod, None if doc is None else b, None, hi - q0, hi - lo, device=device
             )
+        elif doc is None:  # plain causal: no mask at all (causal_chunk_attention)
+            mask = None
         else:
             mask = (ki[None, :] <= qi[:, None])[None, None]
-            if doc is not None:
-                mask = mask & (doc[:, q0:hi, None] == doc[:, None, lo:hi])[:, None]
+            mask = mask & (doc[:, q0:hi, None] == doc[:, None, lo:hi])[:, None]
         return ChunkAttention(lo, hi, mask)
