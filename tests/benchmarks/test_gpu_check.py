@@ -141,7 +141,7 @@ def test_a_stage_with_too_little_budget_left_is_skipped_not_started(tmp_path, mo
 
 def test_the_stages_are_the_ones_the_issue_lists_in_order_within_the_budget():
     """The lever rows (compile, Float8, parameter offload) run after the plain rows, in a stage
-    of their own, and the mixture's stage last; 10 minutes in all leave the lent H200's 15 for
+    of their own, then the mixture's stage and the long-sequence stage; 10 minutes in all leave the lent H200's 15 for
     its start and the transfers."""
     stages = gpu_stages.stages(("125m", "1b"))
     names = [s.name for s in stages]
@@ -154,9 +154,10 @@ def test_the_stages_are_the_ones_the_issue_lists_in_order_within_the_budget():
         "bench_1b",
         "bench_1b_levers",
         "moe",
+        "context",
     ]
-    assert [s.number for s in stages] == list(range(1, 9))
-    assert "--levers" in stages[-2].argv
+    assert [s.number for s in stages] == list(range(1, 10))
+    assert "--levers" in stages[-3].argv
     assert gpu_stages.BUDGET_S <= 10 * 60
 
 
