@@ -66,8 +66,10 @@ from trainer.plan import (
     strategies,
 )
 from trainer.plan.choose import best_per_levers
+from trainer.plan.context import SEQUENCE_STEP
 from trainer.plan.levers import DEFAULT_HOST_MEMORY_GB
 from trainer.plan.planner import GiB
+from trainer.plan.report import duration, mem
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 RATES = Costs()
@@ -234,7 +236,7 @@ def format_assumptions(
 ) -> str:
     """The short block before the answer: each figure the plan assumes, and what sets it."""
     t, seq = cfg.train, cfg.data.seq_len
-    rows = rows_per_micro_batch(t.global_batch_size, world, t.micro_batches)
+    rows = rows_per_micro_batch(t.global_batch_size, world // t.context_parallel, t.micro_batches)
     local = int(s["local"].value)
     lines = [
         "Assumed:",
@@ -289,9 +291,70 @@ def plan_world(
         rows = best_per_levers(([best] if best else []) + opts)  # the answer's row first
         print(format_options(opts, rows, costs))
     print()
+    if long_sequences(cfg):
+        found = context_lines(cfg, world, device, local, host, costs, best)
+        best = best or found
     if best is None:
         print(format_nothing_fits(opts), file=sys.stderr)
     return best is not None
+
+
+LONG_SEQUENCE = 32768
+"""From this data.seq_len up (or with train.context_parallel set) the planner also says which
+context degree fits and the longest sequence the cluster can train."""
+
+
+def long_sequences(cfg: JobConfig) -> bool:
+    return cfg.data.seq_len >= LONG_SEQUENCE or cfg.train.context_parallel > 1
+
+
+def context_lines(cfg, world: int, device: int, local: int, host: int, costs, best):
+    """Print the context-parallel answer (when the configured degree does not fit: the smallest
+    that does) and the longest sequence at the largest degree; the answer found, or None."""
+    from trainer.plan import longest_sequence, smallest_context  # noqa: PLC0415
+    from trainer.plan.context import context_degrees  # noqa: PLC0415
+
+    n = cfg.train.context_parallel
+    found = None
+    if best is None:
+        answer = smallest_context(cfg, world, device, local, host_memory_bytes=host, costs=costs)
+        found = answer.best
+        tried = ", ".join(map(str, answer.tried))
+        if found is None:
+            print(
+                f"context parallelism: nothing fits at data.seq_len={cfg.data.seq_len} with any "
+                f"context degree ({tried}) on {world} workers"
+            )
+        else:
+            p = found.plan
+            print(
+                f"context parallelism: train.context_parallel={n} does not fit; "
+                f"train.context_parallel={answer.degree} is the smallest that does (tried "
+                f"{tried}): {' '.join(found.overrides)}  ({mem(p.total)} peak of "
+                f"{mem(p.usable)} usable, "
+                f"{p.rows} x {p.tokens_per_row} tokens a worker per micro-batch, "
+                f"~{duration(found.step_s)} a step)"
+            )
+    degrees = context_degrees(cfg, world, local)
+    top = degrees[-1]
+    longest = longest_sequence(
+        cfg,
+        world,
+        device,
+        local,
+        context=top,
+        at_least=cfg.data.seq_len,
+        host_memory_bytes=host,
+    )
+    b = cfg.train.global_batch_size
+    print(
+        f"longest sequence: {longest:,} tokens at train.context_parallel={top} on {world} "
+        f"workers of {mem(device)} (train.global_batch_size={b}; the leanest configuration: "
+        f"activation checkpointing, one sequence per micro-batch where the batch allows, "
+        f"bf16 moments and master, offload if needed; in steps of "
+        f"{max(SEQUENCE_STEP, 2 * top):,} tokens)"
+    )
+    return found
 
 
 def main(argv: list[str]) -> int:

@@ -23,6 +23,7 @@ workers fit in the host's memory.
 from .activations import ActivationProfile, profile
 from .answer import format_answer, format_nothing_fits
 from .choose import CHOICE_RULE, Option, cheapest, check_fits, choose, closest, options
+from .context import ContextAnswer, activation_bytes, longest_sequence, smallest_context
 from .headroom import Headroom, headroom_for, nccl_communicators
 from .layout import Layout, layout
 from .levers import BYTES, Costs
@@ -33,6 +34,10 @@ from .traffic import bytes_per_step
 from .zero import zero_stage_bytes
 
 __all__ = [
+    "ContextAnswer",
+    "activation_bytes",
+    "longest_sequence",
+    "smallest_context",
     "BYTES",
     "CHOICE_RULE",
     "ActivationProfile",

@@ -21,6 +21,20 @@ trainer/plan/timeline.py composes them over n blocks.
 Fake tensors take their kernels from the CPU: scaled_dot_product_attention picks the CPU flash
 kernel, which saves the output and the log-sum-exp (O(T)), as the CUDA flash and memory-efficient
 kernels do. CUDA's own workspaces (cuBLAS, NCCL) are not seen.
+
+Context parallelism (train.context_parallel = N, trainer/model/context.py): the trace runs the
+model's own split. The block sees this rank's 2c tokens of each sequence (c = ceil(T / 2N)) and
+its attention the real all-gather of K/V over the context group, played by a stand-in that
+allocates the gathered [N, B, 2c, kv_heads, 2 head_dim] in forward and the rank's gradient in
+backward (as the engine's reduce-scatter does), so the gathered K/V, its sequence-ordered copy,
+the keys repeated over the query heads for each chunk's range and their gradients are all
+measured, and under checkpointing measured again in the recompute. The trace's sequences are
+plain causal (no documents): each query chunk then runs without a mask, as flash attention over
+its visible prefix and its causal square merged by log-sum-exp (trainer/model/context.py; CUDA's
+FlexAttention with a block mask keeps the same output and log-sum-exp). A mask built once per
+forward and shared by every layer would be `ActivationProfile.shared` (none for plain causal
+sequences). Rank 0 is traced: every rank's two
+chunks attend to (2N + 1) c keys together, so without document masks every rank holds the same.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ from torch.utils._pytree import tree_flatten
 from trainer.config import DType, ModelConfig, ShardingConfig
 from trainer.fsdp import virtual_mesh
 from trainer.loss import loss_sum, resolve_chunk_tokens
+from trainer.model.attention import AttentionContext
+from trainer.model.context import ChunkAttention, ContextSplit, chunk_layout
 
 from .layout import frozen_model, meta_engine, thawed_model
 
@@ -79,6 +95,11 @@ class ActivationProfile:
     seq_len: int
     block: BlockProfile
     root: RootProfile
+    context: int = 1
+    """train.context_parallel: the block and root were traced on this rank's 2c tokens."""
+    shared: int = 0
+    """Alive from the first block's forward to the last block's backward, once for all layers:
+    the context split's attention masks (none for the traced plain causal sequences)."""
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -129,35 +150,124 @@ def profile(
     param_dtype: str,
     checkpointing: bool,
     loss_chunk_tokens: Optional[int] = None,
+    context: int = 1,
+    device: str = "cuda",
 ) -> ActivationProfile:
     """Measure one block and the root for micro-batches of `rows` sequences of `seq_len` tokens.
     `loss_chunk_tokens` is train.loss_chunk_tokens (None: auto for the vocabulary, as the loop
     resolves it): chunked, the root holds one chunk's logits and their gradient, not the whole
-    [tokens, vocab] fp32 logits."""
+    [tokens, vocab] fp32 logits. `context`: train.context_parallel (each rank computes 2c of
+    every sequence's tokens, module docstring); `device`: "cuda" or "cpu", kept apart in the
+    cache (the traced plain causal sequences build no mask on either: they measure the same)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"profile: device={device!r}; valid: 'cuda' or 'cpu'")
     key = frozen_model(model)
     chunk = resolve_chunk_tokens(loss_chunk_tokens, model.vocab_size)
-    return _profile(key, rows, seq_len, param_dtype, checkpointing, chunk)
+    dense = device == "cpu" and context > 1
+    return _profile(key, rows, seq_len, param_dtype, checkpointing, chunk, context, dense)
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=64)
 def _profile(
-    model_key, rows: int, seq_len: int, param_dtype: str, checkpointing: bool, chunk: int = 0
+    model_key,
+    rows: int,
+    seq_len: int,
+    param_dtype: str,
+    checkpointing: bool,
+    chunk: int = 0,
+    context: int = 1,
+    dense_masks: bool = False,
 ) -> ActivationProfile:
     model = thawed_model(model_key)
     sharding = ShardingConfig(
         strategy="NO_SHARD", param_dtype=param_dtype, activation_checkpointing=checkpointing
     )
-    fsdp = meta_engine(model, sharding, virtual_mesh(sharding, 0, 1))
+    # NO_SHARD over the context group alone: the units as training builds them (the context
+    # axis shards nothing here), the model given its split by the engine (replaced below)
+    mesh = virtual_mesh(sharding, 0, context, context=context)
+    fsdp = meta_engine(model, sharding, mesh)
     dtype = DType.parse(param_dtype, "sharding.param_dtype").torch
     # A mixture's sparse block holds more than a dense one (every token's k expert rows): the
     # first sparse block stands for every block when the model has any.
     blocks = [u for u in fsdp.units if u.name.startswith("layers.")]
     block_unit = next((u for u in blocks if hasattr(u.modules[0], "moe")), blocks[0])
+    split = _TracedSplit(context, dense_masks) if context > 1 else None
+    fsdp.module.context_split = split
+    padded = chunk_layout(context, 0, seq_len)[0] if split is not None else seq_len
     with FakeTensorMode():
-        _warm_rotary(block_unit.modules[0], seq_len, dtype)
-        block = _trace_block(block_unit, rows, seq_len, model.dim, dtype)
-        root = _trace_root(fsdp, rows, seq_len, dtype, chunk)
-    return ActivationProfile(rows, seq_len, block, root)
+        _warm_rotary(block_unit.modules[0], padded, dtype)
+        ctx, shared, local = None, 0, seq_len
+        if split is not None:
+            ctx, shared = split.context(fsdp.module, rows, seq_len, dtype)
+            local = 2 * split.chunk
+        block = _trace_block(block_unit, rows, local, model.dim, dtype, ctx)
+    root = _root(model_key, rows, seq_len, param_dtype, chunk, context, dense_masks)
+    return ActivationProfile(rows, seq_len, block, root, context, shared)
+
+
+@lru_cache(maxsize=64)
+def _root(
+    model_key, rows: int, seq_len: int, param_dtype: str, chunk: int, context: int, dense: bool
+) -> RootProfile:
+    """The root's trace: the same with checkpointing on or off (the root's units are never
+    checkpointed), so traced once for both (its chunked loss walks every chunk: the costlier
+    trace at long sequences)."""
+    model = thawed_model(model_key)
+    sharding = ShardingConfig(strategy="NO_SHARD", param_dtype=param_dtype)
+    fsdp = meta_engine(model, sharding, virtual_mesh(sharding, 0, context, context=context))
+    dtype = DType.parse(param_dtype, "sharding.param_dtype").torch
+    split = _TracedSplit(context, dense) if context > 1 else None
+    fsdp.module.context_split = split
+    padded = chunk_layout(context, 0, seq_len)[0] if split is not None else seq_len
+    with FakeTensorMode():
+        fsdp.module.rotary.tables(padded, torch.device("cpu"), dtype)  # cached, unmeasured
+        if split is not None:
+            split.context(fsdp.module, rows, seq_len, dtype)  # the chunks' masks, untracked
+        return _trace_root(fsdp, rows, seq_len, dtype, chunk)
+
+
+class _TracedSplit(ContextSplit):
+    """The model's ContextSplit at context rank 0, for the trace: the K/V all-gather is a
+    stand-in that allocates what the engine's does (forward: the gathered [N, ...]; backward:
+    this rank's reduce-scattered gradient); the chunks' masks are made once, outside the
+    tracker (`shared` counts their masks: none for plain causal sequences)."""
+
+    def __init__(self, degree: int, dense: bool):
+        super().__init__(degree, 0, lambda x: _StandInGather.apply(x, degree))
+        self.dense = dense
+        self.chunks: dict[int, ChunkAttention] = {}
+        self.chunk = 0
+
+    def context(self, model, rows: int, seq_len: int, dtype) -> tuple[AttentionContext, int]:
+        """The AttentionContext every block sees, and the bytes of its shared masks."""
+        padded, self.chunk, _ = chunk_layout(self.degree, self.rank, seq_len)
+        tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+        self.chunks = {}
+        for g in (self.rank, 2 * self.degree - 1 - self.rank):
+            self.chunks[g] = super()._chunk_attention(g, self.chunk, None, rows, "cpu", False)
+        _, positions, _, _, _, attn = self.shard(tokens, None, tokens, None, None)
+        cos_sin = model.rotary.at(positions, tokens.device, dtype, span=padded)
+        shared = sum(_nbytes(c.mask) for c in self.chunks.values() if c.mask is not None)
+        return AttentionContext(cos_sin, split=attn), shared
+
+    def shard(self, tokens, positions, targets, loss_weight, real, block=None):
+        """The model's own split with the CPU's attention (what the fake tensors run)."""
+        return super().shard(tokens, positions, targets, loss_weight, real, False)
+
+    def _chunk_attention(self, g, c, doc, b, device, block) -> ChunkAttention:
+        return self.chunks[g]
+
+
+class _StandInGather(torch.autograd.Function):
+    """trainer/fsdp/context.py's _GatherKV without a group: the same tensors, no data."""
+
+    @staticmethod
+    def forward(ctx, x, n: int):
+        return x.new_empty((n * x.shape[0], *x.shape[1:])).view(n, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_empty(grad.shape[1:]), None
 
 
 def _flat_tensors(unit, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -196,7 +306,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _trace_block(unit, rows: int, seq_len: int, dim: int, dtype: torch.dtype) -> BlockProfile:
+def _trace_block(
+    unit, rows: int, seq_len: int, dim: int, dtype: torch.dtype, ctx=None
+) -> BlockProfile:
+    """One block on [rows, seq_len, dim]; `ctx`: the context split's AttentionContext (None: the
+    block's own causal one)."""
     fulls = _bind_flat_views(unit, dtype)
     x_leaf = torch.empty(rows, seq_len, dim, dtype=dtype, requires_grad=True)
     tracker = AllocationTracker()
@@ -204,7 +318,8 @@ def _trace_block(unit, rows: int, seq_len: int, dim: int, dtype: torch.dtype) ->
         x = x_leaf * 1  # a non-leaf input: it stays alive only if the block saves it
         before = tracker.current - _nbytes(x)
         tracker.restart_peak()
-        y = unit.modules[0].forward(x)  # the engine's forward: checkpointed when configured
+        args = (x,) if ctx is None else (x, ctx)
+        y = unit.modules[0].forward(*args)  # the engine's forward: checkpointed when configured
         forward_peak = tracker.restart_peak() - before
         del x
         retained = tracker.current - before - _nbytes(y)
@@ -249,7 +364,9 @@ def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype, chunk: int = 
 
     model.tok_embeddings.register_forward_hook(mark_embedding_output)
     with tracker:
-        if chunk:  # not model(...): that would run the engine's hooks
+        # not model(...): that would run the engine's hooks; with targets (the chunked loss, or
+        # a context split, which keeps this rank's tokens only in a forward with targets)
+        if chunk or model.context_split is not None:
             s, _ = model.forward(tokens, targets=targets, loss_chunk_tokens=chunk)
             logits = None
         else:

@@ -48,7 +48,7 @@ from trainer.fsdp.config import Offload
 from trainer.model import count_params, flops_per_token
 
 from .levers import DEFAULT_HOST_MEMORY_GB, Costs, GiB
-from .planner import MemoryPlan, plan, recommend
+from .planner import MemoryPlan, context_tokens, plan, recommend
 from .report import format_recommendation, usable_memory
 
 MASTER_DTYPES = ("float32", "bfloat16")  # sharding.master_dtype's valid values
@@ -234,8 +234,9 @@ def best_per_levers(opts: list[Option]) -> list[Option]:
 def price(p: MemoryPlan, cfg: TrainerConfig, snapshots_off: bool, costs: Costs) -> Option:
     """The step-time estimate of a plan (module docstring)."""
     model, seq = cfg.model, cfg.data.seq_len
-    lo, hi = rank_range(cfg.train.global_batch_size, p.world_size, 0)
-    tokens = max(1, hi - lo) * seq
+    cp = cfg.train.context_parallel  # a context group's workers split each sequence's tokens
+    lo, hi = rank_range(cfg.train.global_batch_size, p.world_size // cp, 0)
+    tokens = max(1, hi - lo) * context_tokens(seq, cp)
     flops = costs.compute_tflops * 1e12
     compute = flops_per_token(model, seq) * tokens / flops
     recompute = 0.0
@@ -253,7 +254,8 @@ def price(p: MemoryPlan, cfg: TrainerConfig, snapshots_off: bool, costs: Costs) 
 def micro_batch_choices(cfg: TrainerConfig, world_size: int) -> list[int]:
     """The configured count and every power of two up to rank 0's sequences (more would only
     add padding micro-batches)."""
-    lo, hi = rank_range(cfg.train.global_batch_size, world_size, 0)
+    data = world_size // cfg.train.context_parallel  # a context group reads the same sequences
+    lo, hi = rank_range(cfg.train.global_batch_size, data, 0)
     rows, out, m = max(1, hi - lo), {cfg.train.micro_batches}, 1
     while m <= min(rows, MAX_MICRO_BATCHES):
         out.add(m)

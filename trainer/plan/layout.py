@@ -118,9 +118,13 @@ def layout(
     local_world_size: int = 8,
     rank: int = 0,
     state_dtype: str = "float32",
+    context: int = 1,
 ) -> Layout:
     """The layout of `rank` (rank 0 holds the most optimizer state: later ranks hold the
-    padding), its state priced under the levers: state_dtype is optim.state_dtype."""
+    padding), its state priced under the levers: state_dtype is optim.state_dtype. `context`:
+    train.context_parallel, an axis cut from the shard group that parameters are sharded over
+    too, so the shards are those of context 1; a degree that does not divide the world (or the
+    HYBRID_SHARD group) is the mesh's ConfigError."""
     key = (
         frozen_model(model),
         sharding.strategy,
@@ -129,7 +133,7 @@ def layout(
         tuple(sharding.modules.items()),
         sharding.expert_parallel,
     )
-    base = _layout(key, world_size, local_world_size, rank)
+    base = _layout(key, world_size, local_world_size, rank, context)
     return with_levers(base, sharding, state_dtype)
 
 
@@ -176,7 +180,7 @@ def _on_device(u: UnitLayout, param_bytes: int) -> UnitLayout:
 
 
 @lru_cache(maxsize=64)
-def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
+def _layout(key, world_size: int, local_world_size: int, rank: int, context: int = 1) -> Layout:
     model_fields, strategy, param_dtype, hybrid, modules, expert_parallel = key
     model = thawed_model(model_fields)
     sharding = ShardingConfig(
@@ -186,7 +190,7 @@ def _layout(key, world_size: int, local_world_size: int, rank: int) -> Layout:
         modules=dict(modules),
         expert_parallel=expert_parallel,
     )
-    mesh = virtual_mesh(sharding, rank, world_size, local_world_size, model.moe_experts)
+    mesh = virtual_mesh(sharding, rank, world_size, local_world_size, model.moe_experts, context)
     fsdp = meta_engine(model, sharding, mesh)
     flats = list(fsdp.flats())
     sharded_params = fsdp.acct.live["sharded_params"]

@@ -35,7 +35,7 @@ from .layout import layout
 from .levers import HOST_BASELINE_BYTES, host_step_bytes
 from .report import format_plan
 from .timeline import Phase, StepTimeline, step_timeline
-from .traffic import all_to_all_bytes, bytes_per_step, pcie_per_step
+from .traffic import all_to_all_bytes, bytes_per_step, context_bytes, pcie_per_step
 
 GiB = 2**30
 OFFLOADS = ("none", "optimizer")
@@ -108,6 +108,16 @@ class MemoryPlan:
     router_activations: int = 0
     """A mixture's routers' saved activations over a micro-batch, every sparse layer (part of the
     blocks' activations, shown apart): router_bytes."""
+    context_parallel: int = 1
+    """train.context_parallel: each sequence split over this many workers, which read the same
+    samples (`rows` is per data rank: the world over this degree) and compute 2c of each
+    sequence's tokens, c = ceil(seq_len / 2N)."""
+
+    @property
+    def tokens_per_row(self) -> int:
+        """Tokens of each sequence this worker computes: 2c (all of seq_len without a split)."""
+        n = self.context_parallel
+        return self.seq_len if n == 1 else 2 * -(-self.seq_len // (2 * n))
 
     @property
     def model_state(self) -> int:
@@ -210,6 +220,12 @@ def router_bytes(model, tokens: int, param_bytes: int) -> int:
     return tokens * per_token * len(model.sparse_layers)
 
 
+def context_tokens(seq_len: int, context: int) -> int:
+    """Tokens of each sequence one worker computes at train.context_parallel=`context`: two
+    chunks of ceil(seq_len / 2N) (the sequence padded to 2N chunks), all of them at 1."""
+    return seq_len if context <= 1 else 2 * -(-seq_len // (2 * context))
+
+
 def rows_per_micro_batch(
     global_batch: int, world_size: int, micro_batches: int, rank: int = 0
 ) -> int:
@@ -240,16 +256,20 @@ def plan(
     if world_size < 1:
         raise ConfigError(f"invalid config: world size {world_size}; valid: a positive integer")
     sh, model = cfg.sharding, cfg.model
-    micro = cfg.train.micro_batches
-    rows = rows_per_micro_batch(cfg.train.global_batch_size, world_size, micro, rank)
-    lay = layout(model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype)
-    # the expert axis at this world size (a resize may re-plan it: trainer/fsdp/mesh.py)
-    ep = mesh_shape(sh, world_size, local_world_size, model.moe_experts)["expert"]
+    micro, cp = cfg.train.micro_batches, cfg.train.context_parallel
+    # the mesh at this world size (a resize may re-plan the expert axis: trainer/fsdp/mesh.py;
+    # a context degree that does not divide it is a ConfigError naming the valid ones)
+    shape = mesh_shape(sh, world_size, local_world_size, model.moe_experts, cp)
+    ep = shape["expert"]
+    # the ranks of a context group read the same samples: the batch is split over the rest
+    rows = rows_per_micro_batch(cfg.train.global_batch_size, world_size // cp, micro, rank // cp)
+    lay = layout(model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype, cp)
     chunk = cfg.train.loss_chunk_tokens
     acts = {
-        ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk)
+        ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk, cp)
         for ac in (False, True)
     }
+    tokens = rows * context_tokens(cfg.data.seq_len, cp)  # this worker's, per micro-batch
     timelines = {ac: step_timeline(lay, sh, a, micro) for ac, a in acts.items()}
     timeline = timelines[bool(sh.activation_checkpointing)]
     reserved = (
@@ -263,7 +283,7 @@ def plan(
         num_units=len(lay.units),
         active_params=count_params(model, active=True),
         experts_per_rank=model.moe_experts // ep,
-        router_activations=router_bytes(model, rows * cfg.data.seq_len, sh.param_dtype.itemsize),
+        router_activations=router_bytes(model, tokens, sh.param_dtype.itemsize),
         unit_kinds=tuple(u.kind for u in lay.units) + (("root",) if lay.root.padded else ()),
         strategy=lay.strategy.value,
         world_size=world_size,
@@ -298,12 +318,20 @@ def plan(
             micro,
             all_to_all_bytes(
                 model,
-                rows * cfg.data.seq_len * micro,
+                tokens * micro,
                 ep,
                 sh.param_dtype.itemsize,
                 bool(sh.activation_checkpointing),
             ),
+            context_bytes(
+                model,
+                tokens * micro,
+                cp,
+                sh.param_dtype.itemsize,
+                bool(sh.activation_checkpointing),
+            ),
         ),
+        context_parallel=cp,
         pcie=pcie_per_step(lay, sh, micro),
         host_step_bytes=(
             host_step_bytes(
@@ -359,13 +387,16 @@ def strategies(
 ) -> list[ShardingStrategy]:
     """The strategies that differ at this world size: on one worker only the configured one (with
     a shard group of one they are the same job: nothing sharded, nothing sent); HYBRID_SHARD only
-    where 1 < shard group < world size (otherwise it is FULL_SHARD or NO_SHARD)."""
+    where 1 < shard group < world size (otherwise it is FULL_SHARD or NO_SHARD) and its shard
+    group holds train.context_parallel."""
     if world_size == 1:
         return [cfg.sharding.strategy]
     out = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
     try:
         hybrid = dataclasses.replace(cfg.sharding, strategy=ShardingStrategy.HYBRID_SHARD)
         shard = mesh_shape(hybrid, world_size, local_world_size)["shard"]
+        # the context axis is cut from the shard group: it must divide it
+        mesh_shape(hybrid, world_size, local_world_size, context=cfg.train.context_parallel)
     except ConfigError:
         return out
     return out + [ShardingStrategy.HYBRID_SHARD] if 1 < shard < world_size else out

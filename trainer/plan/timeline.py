@@ -92,14 +92,16 @@ def step_timeline(
     gathered = _Gathered(lay, sharding)
     grads = _Grads(lay, sharding, micro_batches)
     blocks = [i for i, u in enumerate(lay.units) if u.kind == "block"]  # forward positions
-    n, b, r = len(blocks), acts.block, acts.root
+    n = len(blocks)
     head, embedding = lay.index("head"), lay.index("embedding")
     head_at = len(lay.units) if head is None else head  # tied: the head is the root's
     casts = gathered.cast_inputs()
+    acts_at = activation_phases(acts, n)
     phases = [
         Phase(
             f"forward of block {n - 1}",
-            block_activations=(n - 1) * b.retained + b.forward_peak,
+            block_activations=acts_at[0][1],
+            root_activations=acts_at[0][2],
             gathered_params=gathered.forward(blocks[-1]),
             unsharded_grads=grads.before_backward(),
             comm_buffers=casts,
@@ -107,8 +109,8 @@ def step_timeline(
         ),
         Phase(
             "loss and head backward",
-            block_activations=n * b.retained,
-            root_activations=max(r.forward_peak, r.head_backward_peak),
+            block_activations=acts_at[1][1],
+            root_activations=acts_at[1][2],
             gathered_params=gathered.backward(head_at),
             unsharded_grads=grads.before_backward(),
             comm_buffers=casts,
@@ -117,11 +119,12 @@ def step_timeline(
     ]
     for j in reversed(range(n)):
         unsharded, outputs, shards = grads.handed_off_through(blocks[j])
+        _, block_bytes, root_bytes = acts_at[2 + (n - 1 - j)]
         phases.append(
             Phase(
                 f"backward of block {j}",
-                block_activations=(j + 1) * b.retained + b.backward_peak,
-                root_activations=r.after_head,
+                block_activations=block_bytes,
+                root_activations=root_bytes,
                 gathered_params=gathered.backward(blocks[j]),
                 unsharded_grads=unsharded,
                 comm_buffers=outputs + casts,
@@ -132,7 +135,7 @@ def step_timeline(
     phases.append(
         Phase(
             "embedding backward",
-            root_activations=r.embedding_backward_peak,
+            root_activations=acts_at[-1][2],
             gathered_params=gathered.backward(embedding)
             if embedding is not None
             else gathered.root,
@@ -153,6 +156,33 @@ def step_timeline(
     )
     phases.append(Phase("optimizer step", sharded_grads=lay.sharded_grads))
     return StepTimeline(persistent, tuple(phases), grads.hand_off_peak())
+
+
+def activation_phases(acts: ActivationProfile, n: int) -> list[tuple[str, int, int]]:
+    """(phase, block activations, root activations) of the phases with activations, for n
+    blocks: the measured block and root composed as the step runs them. The context split's
+    shared masks (acts.shared) are alive from the first block's forward to the last block's
+    backward."""
+    b, r, shared = acts.block, acts.root, acts.shared
+    out = [
+        (f"forward of block {n - 1}", (n - 1) * b.retained + b.forward_peak, shared),
+        (
+            "loss and head backward",
+            n * b.retained,
+            max(r.forward_peak, r.head_backward_peak) + shared,
+        ),
+    ]
+    for j in reversed(range(n)):
+        block = (j + 1) * b.retained + b.backward_peak
+        out.append((f"backward of block {j}", block, r.after_head + shared))
+    out.append(("embedding backward", 0, r.embedding_backward_peak))
+    return out
+
+
+def activation_peak(acts: ActivationProfile, n: int) -> int:
+    """The step's peak of activation memory alone (blocks + root) for n blocks: what
+    MemoryPlan.activations_with/without_checkpointing report."""
+    return max(block + root for _, block, root in activation_phases(acts, n))
 
 
 class _Gathered:

@@ -32,10 +32,15 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def bytes_per_step(
-    lay: Layout, sharding: ShardingConfig, micro_batches: int, all_to_all: int = 0
+    lay: Layout,
+    sharding: ShardingConfig,
+    micro_batches: int,
+    all_to_all: int = 0,
+    context: int = 0,
 ) -> dict[str, int]:
     """Each collective's bytes this worker sends a step; `all_to_all`: a mixture's token
-    exchange (all_to_all_bytes), given by the planner, which knows the tokens."""
+    exchange (all_to_all_bytes), `context`: the context split's K/V exchange (context_bytes),
+    given by the planner, which knows the tokens."""
     acct = Accounting()
     p, r = sharding.param_dtype.itemsize, sharding.reduce_dtype.itemsize
     for _ in range(micro_batches):
@@ -59,6 +64,8 @@ def bytes_per_step(
     out = {op: acct.comm_bytes.get(op, 0) for op in OPS}
     if all_to_all:
         out["all_to_all"] = all_to_all
+    if context:
+        out["context"] = context
     return out
 
 
@@ -110,3 +117,16 @@ def _uses_per_micro_batch(lay: Layout) -> list[UnitLayout]:
     """The units each micro-batch gathers (or, with one rank per shard group, casts), in order."""
     again = [u for u in lay.units[:-1] if u.reshard_after_forward]
     return [*lay.all_units, *again]
+
+
+def context_bytes(model, tokens: int, context: int, param_bytes: int, checkpointing: bool) -> int:
+    """What a worker sends a step in the context split's K/V exchange (trainer/fsdp/context.py):
+    per layer the keys and values of its `tokens` ([tokens, kv_heads, 2 head_dim] in the
+    compute dtype) to the N - 1 other ranks of its group, in the forward's all-gather (again in
+    the recomputation under activation checkpointing) and the backward's reduce-scatter of
+    their gradients (ring collectives: (N - 1) pieces of that size sent)."""
+    if context <= 1:
+        return 0
+    piece = tokens * model.kv_heads * 2 * model.head_size * param_bytes
+    passes = 3 if checkpointing else 2
+    return int(model.n_layers * passes * (context - 1) * piece)
