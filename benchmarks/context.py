@@ -31,13 +31,12 @@ Peak activation memory, per rank: one extra, untimed step under torch.profiler
 (benchmarks/engine.py's way); the peak between the first forward's start and the last
 backward's end minus the live bytes at the first forward's start. It counts everything the
 forward and backward allocate: saved activations, the recomputation under checkpointing, the
-logits and loss, the gathered K/V and their gradients, attention masks, and the engine's
+logits and loss, the gathered K/V and their gradients, and the engine's
 gathered parameters and unsharded gradients (the engine's accounting of those, `acct transient`,
 is printed beside it: well under 1 MiB here). Gloo's own buffers are not torch allocations.
-On the CPU a split chunk attends through a dense bool mask [c, keys] (trainer/model/context.py),
-which scaled_dot_product_attention copies to fp32 per call, while cp1 passes is_causal and no
-mask: at 8k tokens and this small a model those copies are a large part of a cp2 rank's peak
-(the `mask MiB` column computes the bool masks' bytes; their fp32 copies are 4x).
+These sequences hold no packed documents, so no rank builds an attention mask: a split chunk
+attends to its visible prefix and its causal square by two flash attentions merged by their
+log-sum-exp (trainer/model/context.py, causal_chunk_attention), as cp1 attends with is_causal.
 
 Timing as benchmarks/engine.py and benchmarks/moe.py do it: contestants alternate inside every
 repetition, the first rotating; each step is bracketed by barriers (a step is the slowest
@@ -272,8 +271,7 @@ def bench_rank(rank: int, world: int, bench: Bench) -> dict:
 def predicted_activation_bytes(bench: Bench, degree: int, checkpointing: bool) -> Optional[int]:
     """PLANNER_HOOK: the planner's activation term per rank for one micro-batch of one sequence
     split over `degree` context ranks (trainer/plan/context.py activation_bytes: fp32, the
-    whole logits as train_step's default, the CPU's dense masks). None while trainer/plan/ has
-    no such function."""
+    whole logits as train_step's default). None while trainer/plan/ has no such function."""
     try:  # landing beside this benchmark (issue 37's planner part): absent, the hook says so
         from trainer.plan.context import activation_bytes  # noqa: PLC0415
     except ImportError:
@@ -285,17 +283,6 @@ def predicted_activation_bytes(bench: Bench, degree: int, checkpointing: bool) -
 
 
 # ---- figures -----------------------------------------------------------------------------------
-def dense_mask_bytes(bench: Bench, degree: int) -> int:
-    """Computed, not measured: the bool masks of the worst rank's two chunks (c queries over
-    keys [0, (g + 1) c) for chunk g; no documents), built once a forward. The CPU's
-    scaled_dot_product_attention takes each as an fp32 copy, 4x these bytes, per call. cp1
-    passes none (is_causal)."""
-    if degree == 1:
-        return 0
-    c = -(-bench.seq // (2 * degree))
-    return max(sum(c * (g + 1) * c for g in (r, 2 * degree - 1 - r)) for r in range(degree))
-
-
 def paired(a: list, b: list) -> float:
     """Median over repetitions of the ratio of a's and b's medians in that repetition."""
     reps = sorted({r for r, _ in a})
@@ -345,7 +332,6 @@ def figures(ranks: list, bench: Bench) -> dict:
         },
         context_bytes={n: [r[n]["context_bytes"] for r in ranks] for n in names},
         acct_transient_bytes={n: max(r[n]["acct_transient_bytes"] for r in ranks) for n in names},
-        dense_mask_bytes={n: dense_mask_bytes(bench, d) for n, d, _ in bench.contestants()},
         loss_rel_diff=loss_diff,
         final_loss={n: r0[n]["losses"][-1] for n in names},
         predicted_activation_bytes=predicted or None,
@@ -357,7 +343,7 @@ def table(head: dict, bench: Bench) -> str:
     lines = [
         f"{'contestant':10} {'tok/fwd':>7} {'act peak MiB (r0/r1/r2/r3)':>27} {'vs cp1':>6} "
         f"{'ms/step':>8} {'vs cp1':>6} {'tok/s':>7} {'exposed ms ag/rs/ctx':>21} "
-        f"{'ctx MiB':>8} {'acct tr MiB':>11} {'mask MiB':>8}"
+        f"{'ctx MiB':>8} {'acct tr MiB':>11}"
     ]
     for n, _, _ in bench.contestants():
         act = "/".join(mib(b) for b in head["activation_peak_bytes"][n])
@@ -370,7 +356,7 @@ def table(head: dict, bench: Bench) -> str:
             f"{'' if ratio is None else f'{ratio:.3f}':>6} {head['step_ms'][n]:>8.0f} "
             f"{'' if t_ratio is None else f'{t_ratio:.3f}':>6} {head['tokens_per_s'][n]:>7,.0f} "
             f"{exposed:>21} {mib(max(head['context_bytes'][n])):>8} "
-            f"{mib(head['acct_transient_bytes'][n]):>11} {mib(head['dense_mask_bytes'][n]):>8}"
+            f"{mib(head['acct_transient_bytes'][n]):>11}"
         )
     lines.append("")
     for ac in bench.checkpointing:
@@ -405,8 +391,7 @@ def table(head: dict, bench: Bench) -> str:
         "act peak: torch CPU allocator, first forward to last backward, above the bytes live "
         "before it (one sequence per forward); exposed: the engine's wait per step (mean of "
         "ranks); ctx MiB: K/V bytes a rank sends a step; acct tr: the engine's gathered params "
-        "+ unsharded grads at their peak; mask: the bool masks of a rank's two chunks, "
-        "computed (SDPA on the CPU copies each to fp32, 4x, per call)."
+        "+ unsharded grads at their peak."
     )
     return "\n".join(lines)
 
