@@ -141,8 +141,8 @@ def test_a_stage_with_too_little_budget_left_is_skipped_not_started(tmp_path, mo
 
 def test_the_stages_are_the_ones_the_issue_lists_in_order_within_the_budget():
     """The lever rows (compile, Float8, parameter offload) run after the plain rows, in a stage
-    of their own, then the mixture's stage and the long-sequence stage; 10 minutes in all leave the lent H200's 15 for
-    its start and the transfers."""
+    of their own, then the mixture's stage and the long-sequence stage; 10 minutes in all leave
+    the lent H200's 15 for its start and the transfers."""
     stages = gpu_stages.stages(("125m", "1b"))
     names = [s.name for s in stages]
     assert names == [
