@@ -80,6 +80,8 @@ class SplitAttention:
     chunk: int
     padded: int
     chunks: tuple[ChunkAttention, ChunkAttention]
+    order: torch.Tensor
+    """sequence_order on the device, made once a forward (every layer reorders by it)."""
 
     def attend(self, q, k, v, repeat_kv, attend_fn) -> torch.Tensor:
         """q [B, 2c, H, hd], k/v [B, 2c, kv, hd] of this rank's chunks -> [B, 2c, H, hd].
@@ -90,8 +92,7 @@ class SplitAttention:
         gathered = self.split.gather(torch.cat([k, v], dim=-1))  # [N, B, 2c, kv, 2hd]
         slots = gathered.view(n, b, 2, c, kv_heads, 2 * hd).transpose(0, 1)
         slots = slots.reshape(b, 2 * n, c, kv_heads, 2 * hd)
-        order = torch.tensor(sequence_order(n), device=k.device)
-        whole = slots.index_select(1, order).reshape(b, self.padded, kv_heads, 2 * hd)
+        whole = slots.index_select(1, self.order).reshape(b, self.padded, kv_heads, 2 * hd)
         outs = []
         for j, part in enumerate(self.chunks):
             keys = whole[:, part.lo : part.hi]
@@ -204,7 +205,8 @@ class ContextSplit:
             self._chunk_attention(g, c, doc, b, device, use_block)
             for g in (self.rank, 2 * self.degree - 1 - self.rank)
         )
-        attn = SplitAttention(self, c, padded, chunks)
+        order = torch.tensor(sequence_order(self.degree), device=device)
+        attn = SplitAttention(self, c, padded, chunks, order)
         return local[0], whole_pos[:, idx], local[1], loss_weight, local[2], attn
 
     def _chunk_attention(self, g, c, doc, b, device, block) -> ChunkAttention:
