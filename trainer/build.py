@@ -8,6 +8,10 @@ build here, so what is measured and what is planned is what trains.
 
 In this order, torchtitan's (parallelize_llama: quantise, checkpoint, compile, shard), each step
 on the plain model, still on the meta device:
+0. Freezing (train.freeze, trainer/freeze.py): requires_grad_(False) on the parameters the
+   patterns name. First, so that every step after sees which parameters train: the engine puts
+   the frozen ones in flats of their own (no gradient, no reduce-scatter, no optimizer state).
+   Float8 keeps a weight's requires_grad when it swaps the layer.
 1. Float8 (train.float8): the blocks' nn.Linear become torchao's Float8Linear. First, because
    everything after wraps or traces the layers it creates.
 2. Activation checkpointing (sharding.activation_checkpointing): each block's forward is wrapped
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from trainer.config import DType, TrainerConfig
+from trainer.freeze import Frozen, freeze
 from trainer.fsdp import FSDPModel, Mesh, parallelize
 from trainer.fsdp.mixed_precision import ShardedGradScaler
 from trainer.fsdp.parallelize import apply_activation_checkpointing, unit_strategies
@@ -52,6 +57,8 @@ class Built:
     scaler: ShardedGradScaler
     speed: Optional["SpeedInfo"]
     """What train.compile and train.float8 did (None when neither is on)."""
+    frozen: Optional[Frozen] = None
+    """What train.freeze froze (None when it is empty); `frozen.describe()` is the log line."""
 
 
 def build(
@@ -69,6 +76,7 @@ def build(
     torch.compile's (tests use aot_eager). `optimizer=False`: none (the planner's meta build)."""
     device = torch.device(device)
     model = build_model(cfg.model, device="meta")
+    frozen = freeze(model, cfg.train.freeze) if cfg.train.freeze else None
     speed = apply_levers(model, cfg, device, compile_backend)
     fsdp = parallelize(model, cfg.sharding, mesh, device, init_fn=init_fn)
     return Built(
@@ -76,6 +84,7 @@ def build(
         optimizer=build_optimizer(fsdp, cfg.optim, seed=cfg.train.seed) if optimizer else None,
         scaler=ShardedGradScaler(enabled=cfg.sharding.param_dtype is DType.float16),
         speed=speed,
+        frozen=frozen,
     )
 
 
@@ -85,6 +94,13 @@ def check_module_strategies(cfg: TrainerConfig) -> None:
     if cfg.sharding.modules:
         model = build_model(cfg.model, device="meta")
         unit_strategies(model, transformer_policy(model), cfg.sharding)
+
+
+def check_freeze(cfg: TrainerConfig) -> Frozen:
+    """train.freeze against the model's parameters, before any worker starts: a ConfigError for
+    a pattern that names no parameter (listing the top-level modules); else what it freezes.
+    On the meta device: no memory."""
+    return freeze(build_model(cfg.model, device="meta"), cfg.train.freeze)
 
 
 def apply_levers(

@@ -329,6 +329,16 @@ class TrainConfig:
     """A step whose loss or gradient norm is not finite (all ranks agree) is not applied; this
     many in a row stop the run with an error naming the step (a checkpoint holding a non-finite
     tensor is never written)."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameters that do not train: fnmatch patterns (case-sensitive; `*` crosses dots) over
+    parameter names or module names, a module's naming all its parameters: "visual.*" (a
+    vision tower), "tok_embeddings", "layers.0.*". A frozen parameter has no gradient, no
+    reduce-scatter and no optimizer state (the engine gives it a flat of its own; the planner
+    prices it so) and its weights stay bitwise what they were loaded or initialised as, through
+    every checkpoint and the export. A pattern that names no parameter is refused, listing the
+    model's top-level modules. A resume may change the set: a parameter frozen now keeps its
+    weights and drops its saved AdamW state, one trainable now that had none starts from zero
+    moments (trainer/checkpoint/optim_state.py)."""
 
     def validate(self) -> None:
         for key in (
@@ -372,6 +382,14 @@ class TrainConfig:
             )
         if self.float8_recipe not in FLOAT8_RECIPES:
             fail("train.float8_recipe", self.float8_recipe, " or ".join(FLOAT8_RECIPES))
+        if not isinstance(self.freeze, (list, tuple)) or not all(
+            isinstance(p, str) and p.strip() for p in self.freeze
+        ):
+            fail(
+                "train.freeze",
+                self.freeze,
+                'a list of fnmatch patterns over parameter or module names, e.g. ["visual.*"]',
+            )
 
     def snapshots_on(self, gpu_workers: bool) -> bool:
         """Whether in-memory snapshots are taken (where a launcher offers somewhere to keep

@@ -45,13 +45,14 @@ from trainer.checkpoint import (
 )
 from trainer.checkpoint.keys import MODEL, OPTIM, optim_key, param_key
 from trainer.checkpoint.launch_storage import LaunchStorage
+from trainer.checkpoint.optim_state import load_optimizer
 from trainer.checkpoint.resume import check_resumable
 from trainer.checkpoint.snapshots import Snapshots
 from trainer.checkpoint.trainer_state import TrainerState, cpu_rng_state, model_digest
 from trainer.config import TrainerConfig
 from trainer.fsdp import FSDPModel
 from trainer.fsdp.mixed_precision import ShardedGradScaler
-from trainer.fsdp.state import load_optim, load_params, optim_pieces, param_pieces
+from trainer.fsdp.state import load_params, optim_pieces, param_pieces
 from trainer.optim import lr_at
 from trainer.shell import python_m
 
@@ -81,16 +82,13 @@ def load_state(
     """Fill this rank's shards (and optimizer state, when the checkpoint has some: an imported
     one has none) from a checkpoint of any layout, reading only the element ranges this rank
     holds. Each tensor converts to the dtype this run keeps it in (the chunk table records the
-    saved one); returns a note for each kind that changed dtype (for the log)."""
+    saved one); returns a note for each kind that changed dtype, and for parameters frozen or
+    unfrozen since the save (optim_state.py: their state is dropped, or starts at zero), for
+    the log."""
     notes = precision_changes(model, optimizer, reader)
     load_params(model, lambda fqn, start, n: reader.read(param_key(fqn), start, n).to(device))
     if optimizer is not None and any(k.startswith(OPTIM) for k in reader.keys()):
-        load_optim(
-            model,
-            optimizer,
-            lambda fqn, name, start, n: reader.read(optim_key(fqn, name), start, n).to(device),
-            step=optim_step,
-        )
+        notes += load_optimizer(model, optimizer, reader, optim_step, device)
     return notes
 
 

@@ -10,6 +10,11 @@ engine's own numbers: the `sharded_params` it accounts at construction, each fla
 
 The virtual mesh has no process groups: nothing communicates at construction.
 
+Frozen parameters (train.freeze) are frozen by the same build, so the engine gives them flats of
+their own and the layout reads their cost off it: no gradient shard, no optimizer state, and
+(traffic.py, timeline.py read `trainable`) no reduce-scatter and no unsharded gradient; each unit
+by its own strategy (sharding.modules) as well.
+
 The engine is always wrapped as planning builds it (fp32 master, nothing offloaded); the memory
 levers (optim.state_dtype, sharding.master_dtype, sharding.offload) then price its element counts
 with the one table of levers.py, so a lever's figure is corrected there and nowhere else.
@@ -23,7 +28,7 @@ from functools import lru_cache
 from typing import Optional
 
 from trainer.build import build
-from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy, TrainerConfig
+from trainer.config import ModelConfig, ShardingConfig, ShardingStrategy, TrainConfig, TrainerConfig
 from trainer.fsdp import FSDPModel, Mesh, virtual_mesh
 from trainer.fsdp.wrap import ROOT
 
@@ -39,7 +44,9 @@ class UnitLayout:
     """One engine unit as rank `rank` holds it."""
 
     name: str
-    kind: str  # "embedding", "block", "head" (final norm + output projection) or "root"
+    kind: str
+    """"embedding", "block", "head" (final norm + output projection), "root", or a vision
+    tower's "vision_block" and "vision_merger" (_kind)."""
     padded: tuple[int, ...]  # padded_numel of each FlatParameter
     shard: tuple[int, ...]  # shard_numel of each FlatParameter (same on every rank)
     trainable: tuple[bool, ...]  # requires_grad of each FlatParameter
@@ -89,6 +96,8 @@ class Layout:
     shard_elements: int = 0  # P: this rank's shard elements, padding included
     grad_elements: int = 0  # G: elements of the trainable flats' shards
     optim_elements: int = 0  # O: elements with optimizer state (no padding)
+    frozen_elements: int = 0
+    """Elements of the model that train.freeze froze (each counted once, whole, not sharded)."""
 
     @property
     def blocks(self) -> tuple[UnitLayout, ...]:
@@ -103,11 +112,14 @@ class Layout:
         return next((i for i, u in enumerate(self.units) if u.kind == kind), None)
 
 
-def meta_engine(model: ModelConfig, sharding: ShardingConfig, mesh: Mesh) -> FSDPModel:
+def meta_engine(
+    model: ModelConfig, sharding: ShardingConfig, mesh: Mesh, freeze: tuple[str, ...] = ()
+) -> FSDPModel:
     """The engine as trainer/build.py builds it for training, around a meta model: parameters are
-    never materialised or initialised, and there is no optimizer (layout prices its state)."""
+    never materialised or initialised, and there is no optimizer (layout prices its state).
+    `freeze`: train.freeze, applied by the build as in training."""
     sharding = dataclasses.replace(sharding, trace=False)
-    job = TrainerConfig(model=model, sharding=sharding)
+    job = TrainerConfig(model=model, sharding=sharding, train=TrainConfig(freeze=list(freeze)))
     return build(job, mesh, "meta", init_fn=lambda module, prefix: None, optimizer=False).model
 
 
@@ -119,12 +131,14 @@ def layout(
     rank: int = 0,
     state_dtype: str = "float32",
     context: int = 1,
+    freeze: list[str] | tuple[str, ...] = (),
 ) -> Layout:
     """The layout of `rank` (rank 0 holds the most optimizer state: later ranks hold the
     padding), its state priced under the levers: state_dtype is optim.state_dtype. `context`:
     train.context_parallel, an axis cut from the shard group that parameters are sharded over
     too, so the shards are those of context 1; a degree that does not divide the world (or the
-    HYBRID_SHARD group) is the mesh's ConfigError."""
+    HYBRID_SHARD group) is the mesh's ConfigError. `freeze`: train.freeze (a pattern naming no
+    parameter is its ConfigError)."""
     key = (
         frozen_model(model),
         sharding.strategy,
@@ -132,6 +146,7 @@ def layout(
         sharding.hybrid_shard_group_size,
         tuple(sharding.modules.items()),
         sharding.expert_parallel,
+        tuple(freeze),
     )
     base = _layout(key, world_size, local_world_size, rank, context)
     return with_levers(base, sharding, state_dtype)
@@ -181,7 +196,7 @@ def _on_device(u: UnitLayout, param_bytes: int) -> UnitLayout:
 
 @lru_cache(maxsize=64)
 def _layout(key, world_size: int, local_world_size: int, rank: int, context: int = 1) -> Layout:
-    model_fields, strategy, param_dtype, hybrid, modules, expert_parallel = key
+    model_fields, strategy, param_dtype, hybrid, modules, expert_parallel, freeze = key
     model = thawed_model(model_fields)
     sharding = ShardingConfig(
         strategy=strategy,
@@ -191,7 +206,7 @@ def _layout(key, world_size: int, local_world_size: int, rank: int, context: int
         expert_parallel=expert_parallel,
     )
     mesh = virtual_mesh(sharding, rank, world_size, local_world_size, model.moe_experts, context)
-    fsdp = meta_engine(model, sharding, mesh)
+    fsdp = meta_engine(model, sharding, mesh, freeze)
     flats = list(fsdp.flats())
     sharded_params = fsdp.acct.live["sharded_params"]
     # the fp32 gradient shard is allocated like the parameter shard, at the first reduction
@@ -214,6 +229,7 @@ def _layout(key, world_size: int, local_world_size: int, rank: int, context: int
         shard_elements=sharded_params // 4,  # the fp32 master the engine accounts
         grad_elements=sum(f.shard.numel() for f in flats if f.requires_grad),
         optim_elements=sum(p.numel() for f in flats for p, _, _ in f.opt_params),
+        frozen_elements=sum(f.numel for f in flats if not f.requires_grad),
     )
 
 
@@ -236,20 +252,39 @@ def _unit(u) -> UnitLayout:
 
 
 def _kind(name: str) -> str:
-    """The role of a unit of trainer/model.py by its name (transformer_policy's units)."""
+    """The role of a unit of trainer/model by its name (transformer_policy's units)."""
     if name == ROOT:
         return "root"
     if name.startswith("layers."):
         return "block"
+    if name.startswith("visual."):
+        return "vision_merger" if name.startswith("visual.merger") else "vision_block"
     return "embedding" if name == "tok_embeddings" else "head"
 
 
 def frozen_model(model: ModelConfig) -> tuple:
-    """The model's fields as a hashable cache key (a list field as a tuple)."""
+    """The model's fields as a hashable cache key (a list field as a tuple, a nested section,
+    the vision tower's, as a frozenset of its fields)."""
     fields = dataclasses.asdict(model).items()
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in fields))
+    return tuple(sorted((k, _hashable(v)) for k, v in fields))
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(v)
+    if isinstance(v, dict):
+        return frozenset((k, _hashable(x)) for k, x in v.items())
+    return v
 
 
 def thawed_model(key: tuple) -> ModelConfig:
-    """The ModelConfig of frozen_model's key."""
-    return ModelConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in key})
+    """The ModelConfig of frozen_model's key (a nested section as the dict ModelConfig takes)."""
+    return ModelConfig(**{k: _thawed(v) for k, v in key})
+
+
+def _thawed(v):
+    if isinstance(v, tuple):
+        return list(v)
+    if isinstance(v, frozenset):
+        return {k: _thawed(x) for k, x in v}
+    return v

@@ -112,6 +112,9 @@ class MemoryPlan:
     """train.context_parallel: each sequence split over this many workers, which read the same
     samples (`rows` is per data rank: the world over this degree) and compute 2c of each
     sequence's tokens, c = ceil(seq_len / 2N)."""
+    frozen_params: int = 0
+    """Parameters train.freeze froze: in the shards, but with no gradient, no reduce-scatter and
+    no optimizer state (the layout and the traffic read it off the engine's frozen flats)."""
 
     @property
     def tokens_per_row(self) -> int:
@@ -263,7 +266,9 @@ def plan(
     ep = shape["expert"]
     # the ranks of a context group read the same samples: the batch is split over the rest
     rows = rows_per_micro_batch(cfg.train.global_batch_size, world_size // cp, micro, rank // cp)
-    lay = layout(model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype, cp)
+    lay = layout(
+        model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype, cp, cfg.train.freeze
+    )
     chunk = cfg.train.loss_chunk_tokens
     acts = {
         ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk, cp)
@@ -332,6 +337,7 @@ def plan(
             ),
         ),
         context_parallel=cp,
+        frozen_params=lay.frozen_elements,
         pcie=pcie_per_step(lay, sh, micro),
         host_step_bytes=(
             host_step_bytes(
