@@ -38,6 +38,9 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
+        # A vision-language model's prompt images take fewer rotary positions than tokens: the
+        # new tokens' positions are their index + rope_delta ([B], set by its prefill).
+        self.rope_delta: Optional[torch.Tensor] = None
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store this forward's k, v [B, T, kv, hd] at the cache's end; all keys/values so far."""

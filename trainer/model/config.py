@@ -1,4 +1,5 @@
-"""The model's configuration: `ModelConfig` (the decoder's shape and family) and its presets.
+"""The model's configuration: `ModelConfig` (the decoder's shape and family), `VisionConfig` (a
+vision-language model's image tower, ModelConfig.vision) and the presets.
 
 Model presets (`model=8b` on the command line) have one home: `PRESETS` below. The training
 job (trainer/config.py) holds a `ModelConfig` as its `model` section and re-exports these names,
@@ -14,6 +15,86 @@ from typing import Optional
 
 from trainer.fsdp.config import ConfigError, fail
 from trainer.numbers import positive
+
+
+@dataclass
+class VisionConfig:
+    """The image tower of a vision-language model (trainer/model/vision.py; Qwen2-VL's ViT):
+    patches of `temporal_patch_size` x `patch_size` x `patch_size` pixels embedded to `dim`,
+    `depth` pre-norm blocks (LayerNorm, full attention inside each image with 2-D rotary
+    positions, a QuickGELU MLP), then each `spatial_merge_size` x `spatial_merge_size` square of
+    patches merged into one token of the decoder's width (ModelConfig.dim). The defaults, token ids
+    aside, are the `tiny-vl` preset's."""
+
+    depth: int = 2
+    """Vision blocks (visual.blocks.<i>; one engine unit each)."""
+    dim: int = 64
+    """Width of the tower (Hugging Face's vision_config.embed_dim)."""
+    n_heads: int = 4
+    """Attention heads of each vision block (their width dim // n_heads, a multiple of 4: half
+    of each head rotates by the patch's row, half by its column)."""
+    ffn_dim: int = 256
+    """Hidden size of each block's MLP (Qwen2-VL: embed_dim x mlp_ratio)."""
+    patch_size: int = 14
+    """Pixels of a patch's side."""
+    temporal_patch_size: int = 2
+    """Frames in a patch (an image is repeated to fill them, as the image processor does)."""
+    spatial_merge_size: int = 2
+    """Patches merged into one decoder token along each side (2: a 2x2 square, 4 patches)."""
+    in_channels: int = 3
+    """Colour channels of a pixel."""
+    norm_eps: float = 1e-6
+    """LayerNorm epsilon of the blocks and the merger."""
+    rope_theta: float = 10000.0
+    """Base of the tower's 2-D rotary embedding."""
+    image_token_id: Optional[int] = None
+    """The token that stands for one merged patch in the decoder's input (Qwen2-VL:
+    <|image_pad|>, 151655): an image of grid (t, h, w) is a run of t*h*w / merge**2 of them."""
+    vision_start_token_id: Optional[int] = None
+    """The token before each image's run (<|vision_start|>, 151652): for the data and the chat
+    template; the model itself finds images by image_token_id."""
+    vision_end_token_id: Optional[int] = None
+    """The token after each image's run (<|vision_end|>, 151653)."""
+    video_token_id: Optional[int] = None
+    """The video placeholder (<|video_pad|>): videos are not trained here; kept so that an
+    export's config.json names it as the source did."""
+
+    def validate(self, decoder_dim: int, vocab_size: int) -> None:
+        keys = ("depth", "dim", "n_heads", "ffn_dim", "patch_size", "temporal_patch_size")
+        for key in keys + ("spatial_merge_size", "in_channels"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                fail(f"model.vision.{key}", v, "a positive integer")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
+            fail(
+                "model.vision.n_heads",
+                self.n_heads,
+                f"a divisor of model.vision.dim={self.dim} giving heads of a multiple of 4 "
+                "(the 2-D rotary embedding rotates pairs by row and by column)",
+            )
+        for key in ("norm_eps", "rope_theta"):
+            if not positive(getattr(self, key)):
+                fail(f"model.vision.{key}", getattr(self, key), "a finite positive number")
+        if self.image_token_id is None:
+            fail("model.vision.image_token_id", None, "the id of the image placeholder token")
+        for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or not 0 <= v < vocab_size):
+                fail(f"model.vision.{key}", v, f"a token id in 0..{vocab_size - 1} or null")
+
+    @property
+    def head_size(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def merge_tokens(self) -> int:
+        """Patches merged into one decoder token (spatial_merge_size squared)."""
+        return self.spatial_merge_size**2
+
+    @property
+    def patch_features(self) -> int:
+        """Numbers per patch in pixel_values: channels x frames x pixels of a patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 @dataclass
@@ -85,6 +166,15 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss added to the training loss (transformers' aux loss,
     over the global batch's routing statistics: trainer/model/moe.py)."""
+    mrope_section: Optional[list[int]] = None
+    """Multimodal rotary embedding (Qwen2-VL's rope mrope_section, e.g. [16, 24, 24]): the
+    head's rotary frequencies, in order, in three sections rotated by a token's temporal, row
+    and column position (trainer/model/multimodal.py); they add up to head_size // 2. Text
+    tokens have the three equal, so a text-only sequence is rotated as without it. Needs
+    `vision`; None: one position per token."""
+    vision: Optional[VisionConfig] = None
+    """The image tower of a vision-language model (family qwen2_vl); None: a text-only decoder.
+    build_model then builds trainer/model/multimodal.py's VisionLanguageModel."""
     hf_path: Optional[str] = None
     """A Hugging Face Llama checkpoint (a folder or pyarrow.fs URI holding config.json and
     model.safetensors or model.safetensors.index.json): the shape above comes from its config.json
@@ -126,6 +216,7 @@ class ModelConfig:
             if not positive(getattr(self, key)):
                 fail(f"model.{key}", getattr(self, key), "a finite positive number")
         self._validate_moe()
+        self._validate_vision()
         if self.name == "hf" and self.hf_path == "":  # model=hf without model.hf_path
             fail(
                 "model.hf_path",
@@ -149,6 +240,38 @@ class ModelConfig:
         if not (positive(self.router_aux_loss_coef) or self.router_aux_loss_coef == 0):
             fail("model.router_aux_loss_coef", self.router_aux_loss_coef, "a finite number >= 0")
 
+    def _validate_vision(self) -> None:
+        if self.vision is None:
+            if self.family in VISION_FAMILIES:
+                fail("model.vision", None, f"an image tower (model.family={self.family!r})")
+            if self.mrope_section is not None:
+                fail("model.mrope_section", self.mrope_section, "null without model.vision")
+            return
+        if self.family not in VISION_FAMILIES:
+            fail("model.family", self.family, f"{', '.join(VISION_FAMILIES)} with model.vision")
+        if self.moe_experts:
+            fail(
+                "model.moe_experts",
+                self.moe_experts,
+                "0 with model.vision (a vision-language model with experts is not implemented)",
+            )
+        self.vision.validate(self.dim, self.vocab_size)
+        half, sections = self.head_size // 2, self.mrope_section
+        ok = isinstance(sections, list) and len(sections) == 3
+        ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sections)
+        if not ok or sum(sections) != half:
+            fail(
+                "model.mrope_section",
+                sections,
+                f"three positive integers adding up to head_size // 2 = {half} (the temporal, "
+                "row and column sections of the rotary frequencies)",
+            )
+
+    def __post_init__(self) -> None:
+        # A checkpoint's state and dataclasses.asdict give the tower as a dict.
+        if isinstance(self.vision, dict):
+            self.vision = VisionConfig(**self.vision)
+
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         """The layers whose feed-forward is the mixture of experts (none for a dense model)."""
@@ -168,8 +291,10 @@ class ModelConfig:
         return self.head_dim or self.dim // self.n_heads
 
 
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_vl")
 """model.family's values (trainer/hf/ maps each to and from its Hugging Face config)."""
+VISION_FAMILIES = ("qwen2_vl",)
+"""The families with an image tower (model.vision)."""
 
 
 def _llama3(name: str, **shape) -> ModelConfig:
@@ -177,6 +302,19 @@ def _llama3(name: str, **shape) -> ModelConfig:
     return ModelConfig(
         name=name, vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0, **shape
     )
+
+
+def _qwen2_vl(name: str, **shape) -> ModelConfig:
+    """A published Qwen2-VL shape: its decoder's context, norms and rotary sections, and the
+    tower all sizes share (32 blocks of 1280, 14-pixel patches merged 2 x 2)."""
+    vision = VisionConfig(
+        depth=32, dim=1280, n_heads=16, ffn_dim=5120, image_token_id=151655,
+        vision_start_token_id=151652, vision_end_token_id=151653, video_token_id=151656,
+    )  # fmt: skip
+    return ModelConfig(
+        name=name, family="qwen2_vl", qkv_bias=True, max_seq_len=32768, norm_eps=1e-6,
+        rope_theta=1e6, mrope_section=[16, 24, 24], vision=vision, **shape,
+    )  # fmt: skip
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -234,6 +372,43 @@ PRESETS: dict[str, ModelConfig] = {
         moe_norm_topk=True,
         moe_weights_fp32=True,
         router_aux_loss_coef=0.02,
+    ),  # fmt: skip
+    # A vision-language model for tests and CPU runs: the tiny decoder (bytes and four special
+    # tokens after them) with a 2-block image tower (3.85M parameters, 0.31M in the tower).
+    "tiny-vl": ModelConfig(
+        name="tiny-vl",
+        family="qwen2_vl",
+        vocab_size=260,
+        qkv_bias=True,
+        mrope_section=[8, 12, 12],
+        vision=VisionConfig(
+            image_token_id=256,
+            vision_start_token_id=257,
+            vision_end_token_id=258,
+            video_token_id=259,
+        ),
+    ),  # fmt: skip
+    # Qwen2-VL-2B (huggingface.co/Qwen/Qwen2-VL-2B-Instruct config.json): the Qwen2-1.5B decoder
+    # (tied) and a 32-block, 1280-wide tower (665M with its merger); 2.21B parameters.
+    "qwen2-vl-2b": _qwen2_vl(
+        "qwen2-vl-2b",
+        vocab_size=151936,
+        dim=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        ffn_dim=8960,
+        tie_embeddings=True,
+    ),  # fmt: skip
+    # Qwen2-VL-7B (huggingface.co/Qwen/Qwen2-VL-7B-Instruct config.json): 8.29B parameters.
+    "qwen2-vl-7b": _qwen2_vl(
+        "qwen2-vl-7b",
+        vocab_size=152064,
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        ffn_dim=18944,
     ),  # fmt: skip
     # A Hugging Face Llama checkpoint: model=hf model.hf_path=... (the shape is its config.json's).
     "hf": ModelConfig(name="hf", hf_path=""),

@@ -149,11 +149,16 @@ class Transformer(nn.Module):
             ctx = AttentionContext(cos_sin, split=split)
         else:
             ctx = self.context(tokens, positions, cache, h.dtype)
+        return self.decode(h, ctx, real, targets, loss_weight, loss_chunk_tokens)
+
+    def decode(self, h, ctx: AttentionContext, real, targets, loss_weight, loss_chunk_tokens):
+        """The blocks, the final norm and the head on the input embeddings h [B, T, dim] (the
+        rest of forward; a vision-language model's forward, multimodal.py, ends with it too)."""
         ctx.real = real
         for layer in self.layers:
             h = layer(h, ctx)
-        if cache is not None:
-            cache.length += tokens.shape[1]
+        if ctx.cache is not None:
+            ctx.cache.length += h.shape[1]
         h = self.norm(h)
         if self.output is not None:  # untied: the head's own forward (its unit gathers it)
             if targets is None:
@@ -177,14 +182,17 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, device="meta", seed: Optional[int] = None) -> Transformer:
-    """The model on `device`; on meta (the default) nothing is allocated, even for 8B.
+    """The model on `device`; on meta (the default) nothing is allocated, even for 8B. With
+    cfg.vision, the vision-language model (multimodal.py: this decoder and an image tower).
 
     On a real device the model is built on meta, materialised with `to_empty` and filled by
     `init_parameters(model, seed or 0)`: torch's default per-layer init is never run (it would
     be wasted work, and not keyed by name).
     """
+    from .multimodal import VisionLanguageModel  # noqa: PLC0415 -- it imports this module
+
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = VisionLanguageModel(cfg) if cfg.vision is not None else Transformer(cfg)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         init_parameters(model, 0 if seed is None else seed)

@@ -4,10 +4,11 @@ alone, so per-unit and whole-model init agree, on any device, in any order.
     init_parameters(model.layers[3], seed, prefix="layers.3.")   # == that slice of the whole
     fsdp = parallelize(model, ..., init_fn=initializer(seed))   # one unit at a time
 
-The rule of each parameter: RMSNorm weights are 1, biases 0, and every Linear or Embedding is
-normal with the `init_std` it carries (`linear` makes such a Linear); a module's `init_stds`
-names a std per parameter (the experts). Stacked experts (a module with `first`: moe.Experts)
-draw each expert from (seed, name, its global index), so any cut of the experts agrees.
+The rule of each parameter: norm weights (RMSNorm, LayerNorm) are 1, biases 0, and every Linear
+or Embedding is normal with the `init_std` it carries (`linear` makes such a Linear); a module's
+`init_stds` names a std per parameter (the experts). Stacked experts (a module with `first`:
+moe.Experts) draw each expert from (seed, name, its global index), so any cut of the experts
+agrees.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def init_parameters(
     on CPU and is copied into place, so the values do not depend on which sub-module is passed,
     the order of calls, the device or the parameter dtype:
     `init_parameters(model.layers[3], s, prefix="layers.3.")` equals that slice of
-    `init_parameters(model, s)`. RMSNorm weights are 1; every Linear/Embedding is normal with the
+    `init_parameters(model, s)`. Norm weights are 1; every Linear/Embedding is normal with the
     `init_std` it carries (wo and w2 scaled by 1/sqrt(2 n_layers)). Parameters of the modules in
     `exclude` are skipped (the engine's root unit excludes the blocks, which are separate units).
     Raises if a parameter is still on the meta device or has no init rule.
@@ -91,8 +92,8 @@ def _named_params_with_owner(module: nn.Module):
 def _init_rule(owner: nn.Module, fqn: str) -> Optional[float]:
     """None means ones (norm gains), 0.0 zeros (biases); a float is the std of a zero-mean
     normal."""
-    if isinstance(owner, RMSNorm):
-        return None
+    if isinstance(owner, (RMSNorm, nn.LayerNorm)):  # the vision tower's LayerNorms have biases
+        return 0.0 if fqn.endswith(".bias") else None
     if fqn.endswith(".bias"):
         return 0.0
     stds = getattr(owner, "init_stds", {})

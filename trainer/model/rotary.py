@@ -3,6 +3,8 @@
 The cos/sin tables are cached in a plain dict, not a buffer, so a model built on the meta device
 holds nothing but parameters. `Positions` says where the tokens are: consecutive from an offset
 (plain and KV-cache forwards) or per token (packed documents, positions restarting at 0).
+A vision-language model gives each token three positions (temporal, row, column: `at_mrope`),
+each rotating its own section of the frequencies.
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ class RotaryEmbedding:
         # Positions inside a window are below its length: the table of T rows covers them.
         cos, sin = self.tables(max(span, positions.shape[1]), device, dtype)
         return cos[positions][:, :, None, :], sin[positions][:, :, None, :]
+
+    def at_mrope(
+        self, positions: torch.Tensor, sections: list[int], device, dtype, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) shaped to rotate [B, T, heads, head_dim] by three positions per token
+        (`positions` [3, B, T], each below `span`): frequency i (our pair i, dims 2i and 2i+1)
+        turns by the temporal position in the first of `sections`, by the row in the second,
+        by the column in the third (Qwen2-VL's multimodal rotary embedding). Three equal rows
+        give what `at` gives for one."""
+        cos, sin = self.tables(span, device, dtype)
+
+        def pick(table: torch.Tensor) -> torch.Tensor:
+            rows = table[positions].split(sections, dim=-1)  # 3 x [3, B, T, section]
+            return torch.cat([part[k] for k, part in enumerate(rows)], dim=-1)[:, :, None, :]
+
+        return pick(cos), pick(sin)
 
     def __call__(self, x: torch.Tensor, cos_sin=None) -> torch.Tensor:
         """Rotate x of shape [B, T, heads, head_dim] by its position (0..T-1 by default)."""
