@@ -1,4 +1,6 @@
-"""A micro-batch as the training step takes it: (inputs, targets, weight, positions[, real]).
+"""A micro-batch as the training step takes it: (inputs, targets, weight, positions[, real[,
+images]]); `images` (a vision-language model's data) is the model's image keywords, a dict of
+pixels and image_grid (trainer/model/multimodal.py), `real` None before it when not needed.
 
 yield model_inputs(mb.to(device, non_blocking=True), pad_id)   # trainer/loop.py, evaluate
 """
@@ -17,11 +19,24 @@ def model_inputs(mb, pad_id: Optional[int] = None) -> tuple:
     statistics count (transformers leaves padding out of the load-balancing loss)."""
     weights = mb.loss_weights
     out = (mb.inputs, mb.targets, mb.weight if weights is None else weights, mb.input_positions)
+    images = image_inputs(mb)
     if pad_id is None:
-        return out
+        return out if images is None else (*out, None, images)
     if mb.weight == 0:  # a placeholder (so collectives pair up): its tokens count nowhere
-        return (*out, torch.zeros(mb.inputs.shape, dtype=torch.bool, device=mb.inputs.device))
-    return (*out, real_tokens(mb.inputs, mb.input_positions, pad_id))
+        real = torch.zeros(mb.inputs.shape, dtype=torch.bool, device=mb.inputs.device)
+    else:
+        real = real_tokens(mb.inputs, mb.input_positions, pad_id)
+    return (*out, real) if images is None else (*out, real, images)
+
+
+def image_inputs(mb) -> Optional[dict]:
+    """The model's image keywords of a micro-batch whose samples hold images: {"pixels": [N,
+    patch] float, "image_grid": [n, 3] (t, h, w)}; None for text (or a micro-batch without any
+    image: the tower then does not run, and holds no gradient to wait for)."""
+    pixels = getattr(mb, "pixels", None)
+    if pixels is None or pixels.shape[0] == 0:
+        return None
+    return {"pixels": pixels, "image_grid": mb.image_grid}
 
 
 def real_tokens(

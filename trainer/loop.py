@@ -430,8 +430,12 @@ def evaluate(
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for mb in batches.fixed_micro_batches(batches.global_batch, rank, world, rows):
-            inputs, targets, weight, positions = model_inputs(mb.to(device, non_blocking=True))
-            s, n = micro_batch_loss(model, inputs, targets, weight, positions, loss_chunk_tokens)
+            mb = model_inputs(mb.to(device, non_blocking=True))
+            inputs, targets, weight, positions = mb[:4]
+            images = mb[5] if len(mb) > 5 else None
+            s, n = micro_batch_loss(
+                model, inputs, targets, weight, positions, loss_chunk_tokens, images=images
+            )
             n = torch.as_tensor(n, dtype=torch.float64, device=device)
             total += torch.stack([s.double(), n])
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -100,7 +100,8 @@ def train_step(
         if len(micro_batches) > 1:  # a prepass: every micro-batch's routing, no gradient
             with phase("forward"), torch.no_grad():
                 for mb in micro_batches:
-                    micro_batch_loss(model, *mb[:4], chunk=loss_chunk_tokens, real=_real(mb))
+                    micro_batch_loss(model, *mb[:4], chunk=loss_chunk_tokens, real=_real(mb),
+                                     images=_images(mb))  # fmt: skip
                     routing.add(mb)
             routing.agree()
     loss_total = None
@@ -109,7 +110,8 @@ def train_step(
         with contextlib.nullcontext() if last else model.no_sync():
             with phase("forward"):
                 s, _ = micro_batch_loss(model, inputs, targets, weight, *positions,
-                                        chunk=loss_chunk_tokens, real=_real(mb))  # fmt: skip
+                                        chunk=loss_chunk_tokens, real=_real(mb),
+                                        images=_images(mb))  # fmt: skip
                 if routing is not None and not routing.agreed:  # one micro-batch: now
                     routing.add(mb)
                     routing.agree()
@@ -150,6 +152,12 @@ def _real(mb: MicroBatch) -> Optional[torch.Tensor]:
     if not torch.is_tensor(weight) and weight == 0:
         return torch.zeros(mb[0].shape, dtype=torch.bool, device=mb[0].device)
     return real
+
+
+def _images(mb) -> Optional[dict]:
+    """The micro-batch's image keywords for a vision-language model (trainer/inputs.py), or
+    None."""
+    return mb[5] if len(mb) > 5 else None
 
 
 class Routing:
@@ -208,14 +216,17 @@ def micro_batch_loss(
     positions: Optional[torch.Tensor] = None,
     chunk: int = 0,
     real: Optional[torch.Tensor] = None,
+    images: Optional[dict] = None,
 ):
     """(token-loss sum, tokens counted) of one micro-batch: chunk 0 from the logits the model
     returns (loss_sum); chunk > 0 by the model itself, its head and the loss `chunk` tokens at a
     time (trainer.model.Transformer's targets=), so the whole logits never exist; under context
     parallelism the model always takes the targets (its chunks' tokens are its own). Inside the
     model's forward, the engine's units (and FSDP2's) have the head's weight gathered. `real`:
-    the non-padding tokens, for a mixture of experts' routing statistics (given only then)."""
+    the non-padding tokens, for a mixture of experts' routing statistics (given only then).
+    `images`: a vision-language model's image keywords (pixels, image_grid), passed as given."""
     extra = {} if real is None else {"real": real}
+    extra.update(images or {})
     if not chunk and not splits_sequences(model):
         return loss_sum(forward(model, inputs, positions, **extra), targets, weight)
     return forward(

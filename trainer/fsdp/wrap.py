@@ -36,10 +36,15 @@ def NO_INIT(module: torch.nn.Module, prefix: str) -> None:  # noqa: N802 -- a se
 
 
 def block_policy(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """One unit per transformer block (children of a ModuleList `layers`); also the modules that
-    activation checkpointing wraps."""
-    layers = getattr(model, "layers", None)
-    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+    """One unit per transformer block (children of a ModuleList `layers`), and per block of a
+    vision tower (`visual.blocks`) before them; also the modules that activation checkpointing
+    wraps."""
+    return [*_blocks(getattr(model, "visual", None), "blocks"), *_blocks(model, "layers")]
+
+
+def _blocks(module: Optional[torch.nn.Module], name: str) -> list[torch.nn.Module]:
+    blocks = getattr(module, name, None)
+    return list(blocks) if isinstance(blocks, torch.nn.ModuleList) else []
 
 
 def transformer_policy(model: torch.nn.Module) -> list[UnitSpec]:
@@ -57,9 +62,13 @@ def transformer_policy(model: torch.nn.Module) -> list[UnitSpec]:
     embedding, norm, output = (
         getattr(model, name, None) for name in ("tok_embeddings", "norm", "output")
     )
+    # A vision tower's merger (the 2x2 patch merger: 45M parameters at 7B) is gathered around
+    # its own forward too; its patch embedding (1.5M) stays in the root.
+    merger = getattr(getattr(model, "visual", None), "merger", None)
+    tower = [merger] if isinstance(merger, torch.nn.Module) else []
     if not all(isinstance(m, torch.nn.Module) for m in (embedding, norm, output)):
-        return list(blocks)
-    return [embedding, *blocks, (norm, output)]
+        return [*blocks, *tower]
+    return [embedding, *blocks, *tower, (norm, output)]
 
 
 def _whole(owners, mod_name: str, p: torch.Tensor) -> tuple:
