@@ -131,6 +131,7 @@ def _held(built) -> dict:
         trainable_shard=sum(f.shard_numel for f in trainable),
         grad_peak=fsdp.acct.peak["sharded_grads"],
         comm=dict(fsdp.acct.comm_bytes),  # the last step's
+        backward=sorted(u.name for u in fsdp.scheduler.backward_order if u is not fsdp.root),
     )
 
 
@@ -238,8 +239,9 @@ def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state_on_any_rank(w
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_planner_prices_what_the_engine_holds_and_sends_with_frozen_units(world):
     """Each rank's gradient shards, AdamW state and gradient traffic as trainer.plan's layout
-    and traffic say (a frozen flat: none of each); gathers at most what it says (the engine
-    does not gather again in backward a leading unit whose backward never runs)."""
+    and traffic say (a frozen flat: none of each), and the units whose backward runs; gathers
+    at most what it says (traffic.py gathers a FULL_SHARD unit again in backward even where
+    its backward never runs: a leading frozen unit's)."""
     for i, name in enumerate(RUNS):
         freeze, sharding = JOBS[name]
         sh = job(name).sharding
@@ -251,6 +253,8 @@ def test_the_planner_prices_what_the_engine_holds_and_sends_with_frozen_units(wo
             for op in ("reduce_scatter", "all_reduce"):
                 assert sent[op] == h["comm"].get(op, 0), (name, rank, op, sent, h["comm"])
             assert sent["all_gather"] >= h["comm"].get("all_gather", 0), (name, rank)
+            # the units whose backward runs, as the layout says (a leading frozen unit: none)
+            assert sorted(u.name for u in lay.units if u.backward) == h["backward"], name
     unfrozen = layout(tiny(), job("leading_units").sharding, world, world)
     frozen = layout(tiny(), job("leading_units").sharding, world, world, freeze=JOBS[RUNS[0]][0])
     assert frozen.frozen_elements == sum(

@@ -39,10 +39,11 @@ chunks attend to (2N + 1) c keys together, so without document masks every rank 
 
 from __future__ import annotations
 
+import types
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -54,8 +55,12 @@ from trainer.fsdp import virtual_mesh
 from trainer.loss import loss_sum, resolve_chunk_tokens
 from trainer.model.attention import AttentionContext
 from trainer.model.context import ChunkAttention, ContextSplit, chunk_layout
+from trainer.model.decoder import Transformer
 
 from .layout import frozen_model, meta_engine, thawed_model
+
+if TYPE_CHECKING:
+    from .tower import TowerProfile
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,9 @@ class RootProfile:
     tied embeddings, the head's parameter gradient, held until the embedding's completes the
     root's flat gradient)."""
     embedding_backward_peak: int
-    """Peak of the embedding backward: its dense gradient and the root's flat gradient."""
+    """Peak of the embedding backward: its dense gradient and the root's flat gradient; in a
+    vision-language model the phases outside the decoder's blocks (the tower's forward and
+    backward too: tower.py's with_tower)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,11 @@ class ActivationProfile:
     """train.context_parallel: the block and root were traced on this rank's 2c tokens."""
     shared: int = 0
     """Alive from the first block's forward to the last block's backward, once for all layers:
-    the context split's attention masks (none for the traced plain causal sequences)."""
+    the context split's attention masks (none for the traced plain causal sequences), a vision
+    tower's kept activations (tower.py: with_tower)."""
+    tower: Optional["TowerProfile"] = None
+    """A vision-language model's image tower over the micro-batch's patches (tower.py), folded
+    into `shared` and the root's embedding_backward_peak by with_tower; None without one."""
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -338,6 +349,13 @@ def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype, chunk: int = 
     unit's flat gradient is dropped as it completes (the head's when the head's backward ends)."""
     model = fsdp.module
     model.layers = torch.nn.ModuleList()
+    forward = model.forward
+    if getattr(model, "visual", None) is not None:
+        # A vision-language model: its tower is traced apart (tower.py); here the decoder's own
+        # text path (one position per token: the multimodal positions read the tokens' values,
+        # which fake tensors do not have).
+        model.context = types.MethodType(Transformer.context, model)
+        forward = types.MethodType(Transformer.forward, model)
     # As the engine does: a unit's parameters become views as it starts its forward, so the
     # head's flat gradient completes (and is dropped) as the head's backward ends.
     fulls = _bind_flat_views(fsdp.root, dtype)
@@ -367,10 +385,10 @@ def _trace_root(fsdp, rows: int, seq_len: int, dtype: torch.dtype, chunk: int = 
         # not model(...): that would run the engine's hooks; with targets (the chunked loss, or
         # a context split, which keeps this rank's tokens only in a forward with targets)
         if chunk or model.context_split is not None:
-            s, _ = model.forward(tokens, targets=targets, loss_chunk_tokens=chunk)
+            s, _ = forward(tokens, targets=targets, loss_chunk_tokens=chunk)
             logits = None
         else:
-            logits = model.forward(tokens)
+            logits = forward(tokens)
             s, _ = loss_sum(logits, targets)
         loss = s / (rows * seq_len)
         del logits, s  # the training step holds only the loss from here

@@ -60,6 +60,11 @@ class UnitLayout:
     flat_shard_sizes: tuple[int, ...] = ()
     """Each flat's own shard group (a mixture's experts: the ranks holding the same ones)."""
     flat_replicate_sizes: tuple[int, ...] = ()
+    backward: bool = True
+    """Its backward runs: it trains, or a gradient flows through it to a unit before it that
+    does. A frozen unit with nothing trainable before it (the leading blocks, a frozen vision
+    tower) runs none, so the engine never gathers it again after its forward and no
+    activations of it are kept (backward_runs)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,8 @@ class Layout:
     num_params: int
     root: UnitLayout
     units: tuple[UnitLayout, ...]
-    """The non-root units in forward order: the embedding, the blocks, the head (with tied
+    """The non-root units in forward order: a vision tower's blocks and merger (a
+    vision-language model runs its tower first), the embedding, the blocks, the head (with tied
     embeddings only the blocks: the embedding and the norm are the root's)."""
     sharded_params: int
     """Device bytes of the parameter shards: the master (as the engine accounts it at
@@ -222,7 +228,7 @@ def _layout(key, world_size: int, local_world_size: int, rank: int, context: int
         rank=rank,
         num_params=fsdp.num_params(),
         root=_unit(fsdp.root),
-        units=tuple(_unit(u) for u in fsdp.units),
+        units=backward_runs(_unit(fsdp.root), forward_order([_unit(u) for u in fsdp.units])),
         sharded_params=sharded_params,
         sharded_grads=sharded_grads,
         optim_state=optim_state,
@@ -249,6 +255,37 @@ def _unit(u) -> UnitLayout:
         flat_shard_sizes=tuple(f.placement.shard_size for f in u.flats),
         flat_replicate_sizes=tuple(f.placement.replicate_size for f in u.flats),
     )
+
+
+FORWARD = ("vision_block", "vision_merger", "embedding", "block", "head")
+"""The order the units' kinds run in forward (trainer/model/multimodal.py: the tower, then the
+decoder); the blocks of each kind in the wrap policy's order (their index)."""
+
+
+def forward_order(units: list[UnitLayout]) -> list[UnitLayout]:
+    """The units in forward order (the wrap policy lists a tower's merger after the decoder's
+    blocks); a text model's are in it already."""
+    return sorted(units, key=lambda u: FORWARD.index(u.kind))
+
+
+def backward_runs(root: UnitLayout, units: list[UnitLayout]) -> tuple[UnitLayout, ...]:
+    """Each unit with `backward` set: whether a gradient reaches it. Through the tower a
+    gradient reaches a unit when it or a unit before it trains; the decoder's input (the
+    embedding's output, the tower's features scattered in) needs one when the embedding or the
+    tower does; the root's parameters (a tower's patch embedding, tied embeddings) run first."""
+    tower = decoder = any(root.trainable)
+    out = []
+    for u in units:
+        trains = any(u.trainable)
+        if u.kind.startswith("vision"):
+            tower = runs = tower or trains
+        elif u.kind == "embedding":  # its input is the tokens: a gradient reaches it if it trains
+            runs = trains or any(root.trainable)
+            decoder = decoder or tower or trains
+        else:
+            decoder = runs = decoder or tower or trains
+        out.append(dataclasses.replace(u, backward=runs))
+    return tuple(out)
 
 
 def _kind(name: str) -> str:

@@ -35,6 +35,7 @@ from .layout import layout
 from .levers import HOST_BASELINE_BYTES, host_step_bytes
 from .report import format_plan
 from .timeline import Phase, StepTimeline, step_timeline
+from .tower import tower_profile, with_tower
 from .traffic import all_to_all_bytes, bytes_per_step, context_bytes, pcie_per_step
 
 GiB = 2**30
@@ -115,6 +116,12 @@ class MemoryPlan:
     frozen_params: int = 0
     """Parameters train.freeze froze: in the shards, but with no gradient, no reduce-scatter and
     no optimizer state (the layout and the traffic read it off the engine's frozen flats)."""
+    image_patches: int = 0
+    """A vision-language model: the patches of this worker's micro-batch its tower was priced
+    at (every token an image token unless plan() was told image_tokens); 0 without a tower."""
+    tower_activations: int = 0
+    """What the tower keeps for its backward over those patches, the pixels included (alive
+    through the decoder's forward and backward; part of the activations above): tower.py."""
 
     @property
     def tokens_per_row(self) -> int:
@@ -248,6 +255,7 @@ def plan(
     *,
     headroom: bool = True,
     host_memory_bytes: Optional[int] = None,
+    image_tokens: Optional[int] = None,
 ) -> MemoryPlan:
     """Per-worker memory of `cfg` on `world_size` workers of `device_memory_bytes` each.
 
@@ -255,7 +263,9 @@ def plan(
     the workers that share a node's host memory). headroom: reserve a CUDA worker's context, NCCL
     buffers and fragmentation margin (headroom.py) out of the device's memory; False for CPU
     workers, or to compare with the whole memory. host_memory_bytes: per node, to check the
-    host side against (None: fits_host is True)."""
+    host side against (None: fits_host is True). image_tokens: a vision-language model's image
+    tokens per sequence (None: data.seq_len, every token, the most a window holds), each
+    merge**2 patches through its tower."""
     if world_size < 1:
         raise ConfigError(f"invalid config: world size {world_size}; valid: a positive integer")
     sh, model = cfg.sharding, cfg.model
@@ -270,8 +280,13 @@ def plan(
         model, sh, world_size, local_world_size, rank, cfg.optim.state_dtype, cp, cfg.train.freeze
     )
     chunk = cfg.train.loss_chunk_tokens
+    patches = image_patches(model, rows, cfg.data.seq_len, image_tokens)
+    freeze = tuple(cfg.train.freeze)
     acts = {
-        ac: profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk, cp)
+        ac: with_tower(
+            profile(model, rows, cfg.data.seq_len, sh.param_dtype, ac, chunk, cp),
+            tower_profile(model, patches, sh.param_dtype, ac, freeze),
+        )
         for ac in (False, True)
     }
     tokens = rows * context_tokens(cfg.data.seq_len, cp)  # this worker's, per micro-batch
@@ -338,6 +353,8 @@ def plan(
         ),
         context_parallel=cp,
         frozen_params=lay.frozen_elements,
+        image_patches=patches,
+        tower_activations=_tower_retained(acts[bool(sh.activation_checkpointing)]),
         pcie=pcie_per_step(lay, sh, micro),
         host_step_bytes=(
             host_step_bytes(
@@ -355,6 +372,19 @@ def plan(
         device_memory_bytes=int(device_memory_bytes),
         headroom=reserved,
     )
+
+
+def image_patches(model, rows: int, seq_len: int, image_tokens: Optional[int]) -> int:
+    """Patches a worker's micro-batch of `rows` sequences sends through the tower: image_tokens
+    per sequence (None: all seq_len), merge**2 patches each; 0 without a tower."""
+    if getattr(model, "vision", None) is None:
+        return 0
+    tokens = seq_len if image_tokens is None else min(int(image_tokens), seq_len)
+    return rows * tokens * model.vision.merge_tokens
+
+
+def _tower_retained(acts) -> int:
+    return acts.tower.retained if acts.tower is not None else 0
 
 
 def _activation_peak(t: StepTimeline) -> int:
