@@ -54,8 +54,9 @@ class Frozen:
 
 def freeze(model: torch.nn.Module, patterns: list[str] | tuple[str, ...]) -> Frozen:
     """requires_grad_(False) on every parameter a pattern names (module docstring); ConfigError
-    for a pattern that names none, listing the model's top-level modules. Works on the meta
-    device (the planner's build): only names and shapes are read."""
+    for a pattern that names none, listing the model's top-level modules, and for patterns that
+    leave nothing to train. Works on the meta device (the planner's build): only names and
+    shapes are read."""
     patterns = tuple(patterns)
     named = list(model.named_parameters())
     counts = {p: [0, 0] for p in patterns}
@@ -72,6 +73,11 @@ def freeze(model: torch.nn.Module, patterns: list[str] | tuple[str, ...]) -> Fro
             f"invalid config: train.freeze pattern {unused[0]!r} names no parameter of this "
             f"model; valid: fnmatch patterns over parameter or module names under its "
             f"top-level modules {top_level(model)} (e.g. 'layers.0', 'layers.0.*')"
+        )
+    if named and all(not p.requires_grad for _, p in named):
+        raise ConfigError(
+            f"invalid config: train.freeze={list(patterns)!r} freezes every parameter of this "
+            "model: nothing would train; valid: patterns that leave some parameters trainable"
         )
     frozen = [(t, n) for t, n in counts.values()]
     return Frozen(

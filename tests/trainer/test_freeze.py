@@ -420,6 +420,9 @@ def test_a_freeze_pattern_that_names_no_parameter_is_refused_naming_the_top_leve
     assert "tok_embeddings, layers (layers.0 .. layers.2), norm, output" in message
     with pytest.raises(ConfigError):  # the build refuses it too, on every worker
         build(cfg, build_mesh(cfg.sharding, 0, 1), "meta", None, optimizer=False)
+    cfg.train.freeze = ["*"]
+    with pytest.raises(ConfigError, match="freezes every parameter of this model"):
+        check_freeze(cfg)
     cfg.train.freeze = "visual.*"
     with pytest.raises(ConfigError, match=r"train.freeze='visual.\*'; valid: a list"):
         cfg.validate()
@@ -429,14 +432,14 @@ def test_patterns_name_parameters_or_the_modules_holding_them():
     cfg = job("nothing")
     frozen = {
         tuple(p): check_freeze(_with(cfg, p))
-        for p in (["layers.0"], ["layers.0.*"], ["layers.*.attention"], ["*.weight"])
+        for p in (["layers.0"], ["layers.0.*"], ["layers.*.attention"], ["*_norm.weight"])
     }
     blocks = {n: p.numel() for n, p in initial().items()}
     block0 = sum(v for n, v in blocks.items() if n.startswith("layers.0."))
     assert frozen[("layers.0",)].params == frozen[("layers.0.*",)].params == block0
     attention = sum(v for n, v in blocks.items() if ".attention." in n)
     assert frozen[("layers.*.attention",)].params == attention
-    assert frozen[("*.weight",)].tensors == len(blocks)  # this model has no biases
+    assert frozen[("*_norm.weight",)].tensors == 2 * 3  # each block's two norms (not `norm`)
     assert "12 of 30 tensors frozen" in frozen[("layers.*.attention",)].describe()
 
 
