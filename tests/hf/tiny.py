@@ -1,6 +1,8 @@
 """Tiny random Hugging Face models of every family we import, built with transformers itself
 (nothing is downloaded), with random biases and norm weights, so that a bias or a norm loaded
-in the wrong row order changes the logits."""
+in the wrong row order changes the logits. `hf_vl_model` is a Qwen2-VL (the decoder of BASE,
+3-D rotary sections [2, 3, 3], a 2-block tower of 4-pixel patches) and `vl_batch` its input:
+two rows holding three images of three sizes between text."""
 
 from __future__ import annotations
 
@@ -112,3 +114,77 @@ def transformers_first_loss(cfg) -> float:
     with torch.no_grad():
         logits = model(mb.inputs).logits
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb.targets.reshape(-1)))
+
+
+VL_IDS = dict(
+    image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123
+)
+IMAGE, START, END = 120, 122, 123
+VL_VISION = dict(
+    depth=2,
+    embed_dim=32,
+    hidden_size=BASE["hidden_size"],
+    num_heads=4,
+    mlp_ratio=2,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    in_channels=3,
+)
+VL_ROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6}
+
+
+def hf_vl_model(seed: int = 0, tied: bool = False, sharp: float = 8.0):
+    """A tiny random Qwen2VLForConditionalGeneration (fp32), norms and biases random too; the
+    decoder's projections `sharp` times their init (greedy decoding of a model at init repeats
+    one token, which would not show a position off)."""
+    text = {k: v for k, v in BASE.items() if k != "tie_word_embeddings"}
+    config = transformers.Qwen2VLConfig(
+        text_config={**text, "rope_parameters": dict(VL_ROPE)},
+        vision_config=dict(VL_VISION),
+        tie_word_embeddings=tied,
+        **VL_IDS,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0.0, 0.3)
+            elif n.endswith("weight") and ("norm" in n or "ln_q" in n):
+                p.uniform_(0.5, 1.5)
+            elif "language_model.layers" in n and n.endswith("proj.weight"):
+                p.mul_(sharp)
+    return model
+
+
+def image_tokens(grid: list[int]) -> list[int]:
+    """<|vision_start|>, an image's run of image tokens, <|vision_end|>."""
+    t, h, w = grid
+    return [START] + [IMAGE] * (t * h * w // 4) + [END]
+
+
+VL_GRIDS = [[1, 4, 4], [1, 6, 4], [1, 4, 8]]
+"""The images of vl_batch, in order: 4, 6 and 8 tokens."""
+VL_ROWS = [
+    [5, 9] + image_tokens(VL_GRIDS[0]) + [7, 8] + image_tokens(VL_GRIDS[1]) + [11, 12, 13],
+    [30, 31, 32] + image_tokens(VL_GRIDS[2]) + [40, 41, 42, 43, 44, 45, 46, 47],
+]
+
+
+def vl_batch(seed: int = 0) -> dict:
+    """tokens [2, 23], pixels [72, 96] and image_grid [3, 3]: row 0 two images, row 1 one."""
+    grid = torch.tensor(VL_GRIDS)
+    n = int(grid.prod(-1).sum())
+    pixels = torch.randn(n, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(seed))
+    return {"tokens": torch.tensor(VL_ROWS), "pixels": pixels, "image_grid": grid}
+
+
+def transformers_vl_logits(model, tokens, pixels, image_grid) -> torch.Tensor:
+    with torch.no_grad():
+        return model(
+            input_ids=tokens,
+            pixel_values=pixels,
+            image_grid_thw=image_grid,
+            mm_token_type_ids=(tokens == IMAGE).int(),
+        ).logits

@@ -2,6 +2,7 @@
 
     ids = generate_ids(model, [1, 2, 3], max_new_tokens=16, stop_ids=[2])          # greedy
     ids = generate_ids(fsdp, prompt, 16, stop_ids, world=world)                    # all ranks
+    ids = generate_ids(vlm, prompt, 16, pixels=pixel_values, image_grid=image_grid_thw)
 
 Prefill the prompt into a KVCache, then one token per forward. The engine all-gathers each
 unit's parameters inside every forward, so every rank must run the same forwards with the same
@@ -36,6 +37,8 @@ def generate_ids(
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
     use_cache: bool = True,
+    pixels: Optional[torch.Tensor] = None,
+    image_grid: Optional[torch.Tensor] = None,
 ) -> list[int]:
     """Up to `max_new_tokens` new ids after `prompt_ids` (fewer where the model's max_seq_len
     ends first), stopping after the first of `stop_ids`. Greedy at temperature 0, else sampled
@@ -44,7 +47,11 @@ def generate_ids(
     `model`: a Transformer or the engine wrapping one (cfg, device and the compute dtype are
     read from it when not given). With world > 1 every rank must call this with the same
     prompt and arguments. `use_cache=False` recomputes the whole sequence at every step (the
-    reference the cache is tested against)."""
+    reference the cache is tested against).
+
+    A vision-language model's prompt may hold images: `pixels` and `image_grid` as its forward
+    takes them (the image processor's pixel_values and image_grid_thw), read with the prompt;
+    the new tokens' rotary positions continue after the prompt's (the KV cache's rope_delta)."""
     cfg = cfg or model_config(model)
     device = torch.device(device) if device is not None else model_device(model)
     dtype = dtype or compute_dtype(model)
@@ -63,8 +70,12 @@ def generate_ids(
     cache = KVCache(cfg, 1, room, device, dtype) if use_cache else None
     sequence = torch.tensor([prompt], dtype=torch.long, device=device)
     feed, new = sequence, []
+    images = {} if pixels is None else {"pixels": pixels.to(device), "image_grid": image_grid}
     for _ in range(budget):
-        logits = model(feed, cache=cache) if cache is not None else model(sequence)
+        if cache is not None:  # the images go with the prompt, into the cache
+            logits = model(feed, cache=cache, **(images if cache.length == 0 else {}))
+        else:
+            logits = model(sequence, **images)
         token = next_token(logits[0, -1], temperature, top_p, generator, world)
         new.append(int(token))
         if new[-1] in stops:

@@ -13,6 +13,7 @@ both ways, weights in by byte range, weights out in transformers' safetensors la
     llama.py        the Llama family and the Llama-shaped decoder all families share
     qwen2.py        Qwen2/2.5: q/k/v biases
     qwen3.py        Qwen3: per-head q/k norms, decoupled head_dim
+    qwen2_vl.py     Qwen2-VL: the Qwen2 decoder with 3-D rotary positions and an image tower
     mistral.py      Mistral: Llama-shaped (a sliding window is refused)
     config.py       the registry of families by model_type; config.json <-> ModelConfig
     names.py        Hugging Face tensor names <-> ours; the rotary row permutation

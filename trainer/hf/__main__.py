@@ -82,13 +82,15 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     im = sub.add_parser(
         "import",
-        help="a step-0 checkpoint of a Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral model",
+        help="a step-0 checkpoint of a Hugging Face Llama, Qwen2/2.5, Qwen3, Mistral, "
+        "Qwen3-MoE, Mixtral or Qwen2-VL model",
     )
     im.add_argument("src", help="folder or URI with config.json and model*.safetensors")
     im.add_argument("dest", help="a run's checkpoints folder, e.g. runs/my-run/checkpoints")
     ex = sub.add_parser(
         "export",
-        help="transformers' layout of the model's family (Llama, Qwen2, Qwen3, Mistral: "
+        help="transformers' layout of the model's family (Llama, Qwen2, Qwen3, Mistral, the "
+        "mixtures, Qwen2-VL with the source's preprocessor_config.json: "
         "config.json, generation_config.json with every end-of-turn id, model*.safetensors, "
         "index, tokenizer files with the run's chat template), loadable by transformers and vLLM",
     )

@@ -23,6 +23,7 @@ from trainer.hf.llama import LLAMA
 from trainer.hf.mistral import MISTRAL
 from trainer.hf.mixtral import MIXTRAL
 from trainer.hf.qwen2 import QWEN2
+from trainer.hf.qwen2_vl import QWEN2_VL
 from trainer.hf.qwen3 import QWEN3
 from trainer.hf.qwen3_moe import QWEN3_MOE
 
@@ -30,7 +31,7 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 
 FAMILIES: dict[str, Family] = {
-    f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, QWEN3_MOE, MIXTRAL)
+    f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, QWEN3_MOE, MIXTRAL, QWEN2_VL)
 }
 """The supported families by config.json's model_type (= our ModelConfig.family)."""
 
@@ -127,9 +128,12 @@ def special_ids(path: str, hf: Optional[dict] = None) -> dict:
             continue
         if not isinstance(data, dict):
             continue
+        # A vision-language config.json (transformers 5) keeps them in its text_config.
+        text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
         for key in ("bos_token_id", "eos_token_id"):
-            if data.get(key) is not None:
-                found[key] = data[key]  # generation_config.json, read last, wins
+            value = data[key] if data.get(key) is not None else text.get(key)
+            if value is not None:
+                found[key] = value  # generation_config.json, read last, wins
     if not found:
         return {}
     return {"bos_token_id": found.get("bos_token_id"), "eos_token_id": found.get("eos_token_id")}

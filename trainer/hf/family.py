@@ -1,8 +1,8 @@
 """What a model family provides to the interchange: its config.json mapping both ways, its
 tensor names and its parameter shapes. A family is one value (`llama.LLAMA`); the registry that
 looks one up by config.json's model_type is `config.FAMILIES` (llama, qwen2, qwen3, mistral,
-qwen3_moe, mixtral). A
-new family is a module defining one more `Family`, registered there: no function branches on it.
+qwen3_moe, mixtral, qwen2_vl). A new family is a module defining one more `Family`, registered
+there: no function branches on it.
 """
 
 from __future__ import annotations

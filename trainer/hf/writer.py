@@ -142,8 +142,9 @@ def export_hf(
     shards + index) and, when the run used a tokenizer.json, tokenizer_config.json (the chat
     template it trained with, its special tokens) and tokenizer.json itself when it is still
     readable; a checkpoint whose state names no tokenizer (a step-0 import) gets the tokenizer
-    files of the folder it came from, as they are. One tensor at a time: the exporter holds the
-    largest tensor, never the model."""
+    files of the folder it came from, as they are; a vision-language model gets that folder's
+    preprocessor_config.json (the image processor) either way. One tensor at a time: the
+    exporter holds the largest tensor, never the model."""
 
     with CheckpointReader(path) as reader:
         raw = reader.state.get("model_config")
@@ -188,6 +189,8 @@ def export_hf(
         files += [CONFIG, GENERATION_CONFIG] + _export_tokenizer(tok, out, cfg, log)
     else:  # an import, or a run whose data named no tokenizer: the source's, as it was
         files += [CONFIG, GENERATION_CONFIG] + _copy_source_tokenizer(origin, out, log)
+    if cfg.vision is not None and origin:  # the image processor the model was trained with
+        files += _copy_files(origin, out, SOURCE_PROCESSOR_FILES)
     log(
         f"export: step {step}, {cfg.family} ({family_of(cfg).architecture}), {len(plan)} "
         f"tensors in {dtype}, eos {eos}, bos {bos} -> {out_dir}: {', '.join(files)}"
@@ -240,28 +243,40 @@ SOURCE_TOKENIZER_FILES = (
     TOKENIZER_CONFIG,
     "special_tokens_map.json",
     "chat_template.jinja",
+    "chat_template.json",
 )
 """What an export copies from the Hugging Face folder a checkpoint came from when its state names
 no tokenizer of its own (a step-0 import): the files transformers and vLLM read a tokenizer and
-its chat template from, those the source has."""
+its chat template from (a processor's chat_template.json too), those the source has."""
+
+SOURCE_PROCESSOR_FILES = ("preprocessor_config.json",)
+"""What an export of a vision-language model copies from the Hugging Face folder it came from,
+whatever its tokenizer: the image processor's settings (patch and merge sizes, pixel bounds,
+normalisation), which training did not change and serving needs to cut images as it did."""
 
 
 def _copy_source_tokenizer(source: str, out: Location, log) -> list[str]:
     """The tokenizer files of the folder `source` (SOURCE_TOKENIZER_FILES), copied as they are;
     the names of those copied. None readable: said, and the export stands without them."""
+    files = _copy_files(source, out, SOURCE_TOKENIZER_FILES)
+    if not files:
+        log(
+            f"export: no tokenizer in the checkpoint's state nor readable at {source}: "
+            "none exported"
+        )
+    return files
+
+
+def _copy_files(source: str, out: Location, names: tuple[str, ...]) -> list[str]:
+    """The files `names` of the folder `source` that it has, copied as they are; their names."""
     src, files = storage.resolve(source), []
-    for name in SOURCE_TOKENIZER_FILES:
+    for name in names:
         try:
             data = storage.read_bytes(src.child(name))
         except (OSError, storage.StorageError):
             continue  # not every folder has every file
         storage.write_bytes(out.child(name), data)
         files.append(name)
-    if not files:
-        log(
-            f"export: no tokenizer in the checkpoint's state nor readable at {source}: "
-            "none exported"
-        )
     return files
 
 
