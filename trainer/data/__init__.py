@@ -7,6 +7,8 @@
 
     python -m trainer.data inspect data/prepared      # what a preparation holds, a decoded sample
     python -m trainer.data prepare data=chat data.source=sft.jsonl data.tokenizer=tok.json
+    python -m trainer.data prepare data=chat data.source=vqa.parquet \
+        data.tokenizer=/models/Qwen2-VL-2B-Instruct/tokenizer.json   # images: chat_images.py
     python -m trainer.data train-tokenizer data.source=corpus/ --vocab-size 32000 --out tok.json
     python -m trainer.data prepare data.source=corpus/ data.tokenizer=tok.json   # in this process
     python -m cluster.prepare data.source=s3://...    # the same on Ray Data, on a cluster
@@ -18,6 +20,7 @@ global index (sampler.py), so a run resumes exactly at any world size.
 from .chat import ChatTemplate, encode_conversation, load_chat_template
 from .checks import check_vocab, plan_and_check
 from .dataset import MANIFEST, DataError, PreparedData, TokenStream, find_dataset
+from .images import ImageProcessing
 from .loader import EVAL_TAG, Batches, Loader, MicroBatch
 from .planning import WorkUnit, dataset_dir, plan_preparation
 from .preparation import PreparedInfo, prepare
@@ -36,6 +39,7 @@ __all__ = [
     "EVAL_TAG",
     "GlobalOrder",
     "HFTokenizer",
+    "ImageProcessing",
     "InputFile",
     "Loader",
     "MANIFEST",

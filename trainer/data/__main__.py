@@ -2,7 +2,8 @@
 
     python -m trainer.data inspect data/prepared                 # every preparation under it
     python -m trainer.data inspect data/prepared/3f2a... --verify   # and check every shard's crc32
-    (chat data: a decoded window with its loss tokens in [[...]], and the packing efficiency)
+    (chat data: a decoded window with its loss tokens in [[...]], and the packing efficiency;
+    with images, how many and their stored bytes)
     python -m trainer.data train-tokenizer data.source=corpus/ data.format=jsonl \\
         --vocab-size 32000 --out tokenizer.json
     python -m trainer.data prepare data.source=corpus/ data.tokenizer=tokenizer.json
@@ -20,17 +21,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 
 from trainer import storage
 from trainer.config import ConfigError, DataConfig
 
+from .chat_images import IMAGE_PAD
 from .dataset import MANIFEST, DataError, PreparedData
 from .groups import data_config
 from .packing import efficiency
 from .preparation import plan_preparation, prepare, size_text
 from .sources import Counts, read_documents
 from .tokenizer import load_tokenizer, train_tokenizer
+from .window_images import has_images
+
+PAD_RUN = re.compile(f"(?:{re.escape(IMAGE_PAD)}){{2,}}")
+"""A run of image placeholders, shown by inspect as one with its count."""
 
 
 def cmd_inspect(path: str, verify: bool) -> int:
@@ -115,6 +122,14 @@ def _print_window(data: PreparedData, chars: int = 2000) -> None:
         f"layout:     {windows:,} windows of {data.width} tokens, packing efficiency "
         f"{efficiency(real, slots):.1%} ({real:,} real tokens in {slots:,} slots)"
     )
+    if has_images(data):
+        files = [sh.files for sh in shards if "pixels" in sh.files]
+        images = sum(f["images"]["n"] // 4 for f in files)
+        stored = sum(f["pixels"]["nbytes"] for f in files)
+        print(
+            f"images:     {images:,} in the windows of {len(files)} shard(s), "
+            f"{size_text(stored)} stored (resized RGB, 3 bytes a pixel)"
+        )
     ids = data.stream(0, "train").read(0, data.width)
     mask = data.extra_stream("mask", 0, "train").read(0, data.width)
     try:
@@ -128,9 +143,13 @@ def _print_window(data: PreparedData, chars: int = 2000) -> None:
             text = tok.decode(ids[start:end])
             pieces.append(f"[[{text}]]" if mask[start] else text)
             start = end
-    text = "".join(pieces)
+    text = PAD_RUN.sub(_pad_run, "".join(pieces))
     more = f"... ({len(text) - chars:,} more characters)" if len(text) > chars else ""
     print(f"sample:     window 0 of source 0, loss tokens in [[...]]:\n{text[:chars]}{more}")
+
+
+def _pad_run(match: re.Match) -> str:
+    return f"{IMAGE_PAD} x {len(match.group()) // len(IMAGE_PAD)}"
 
 
 def cmd_train_tokenizer(cfg: DataConfig, vocab_size: int, out: str, max_docs: int) -> int:

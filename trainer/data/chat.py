@@ -16,13 +16,18 @@ when the full rendering T starts with P_i, the turn starts at len(P_i) (exact fo
 Qwen2.5/3 and Mistral templates), else at its (stripped) content found in T after the previous
 turn; it ends after the first end-of-turn text at or after its content. A token is a loss
 token when its characters overlap a loss span.
+
+A message's content is a string, or a list of parts in the Hugging Face format ({"type":
+"text", "text": ...}, {"type": "image", "image": ...}), which the template renders (Qwen2-VL's
+writes <|vision_start|><|image_pad|><|vision_end|> for an image); chat_images.py finds the
+images and expands their placeholders.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from typing import Optional, Union
@@ -231,7 +236,7 @@ def record_messages(
     record: dict, messages_column: str, prompt_column: str, completion_column: str
 ) -> Union[tuple[list[dict], bool], str]:
     """(messages, is_prompt_completion) of a record, or the reason it is skipped
-    (malformed_messages, unknown_role)."""
+    (malformed_messages, unknown_role). A content list's parts lose their empty fields."""
     messages = record.get(messages_column)
     if messages is None:
         prompt, completion = record.get(prompt_column), record.get(completion_column)
@@ -248,12 +253,38 @@ def record_messages(
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return "malformed_messages"
         content = m.get("content")
-        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
+        if isinstance(content, (list, tuple)):
+            content = content_parts(content)
+            if content is None:
+                return "malformed_messages"
+        elif not isinstance(content, str) and not (content is None and m.get("tool_calls")):
             return "malformed_messages"
         if m["role"] not in ROLES:
             return "unknown_role"
-        out.append({k: v for k, v in m.items() if v is not None})
+        out.append({k: v for k, v in {**m, "content": content}.items() if v is not None})
     return out, False
+
+
+def content_parts(parts) -> Optional[list[dict]]:
+    """A content list in the Hugging Face message format ({"type": "text", "text": ...},
+    {"type": "image", "image": ...}) with its empty fields left out (a Parquet struct has every
+    field in every part: a text part's image is null, and a template that asks `'image' in
+    part` must not see it); None when a part is not a dict with a string type."""
+    out = []
+    for part in parts:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            return None
+        out.append({k: v for k, v in part.items() if v is not None})
+    return out
+
+
+def content_text(content) -> str:
+    """The text of a message's content: itself, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+    return ""
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -266,6 +297,8 @@ class Encoded:
     mask: np.ndarray
     """uint8, 1 = a loss target; 0 at the first token (nothing in its document predicts it)."""
     text: str
+    images: list = field(default_factory=list)
+    """The conversation's images in the order of their <|image_pad|> runs (chat_images.py)."""
 
 
 def loss_spans(
@@ -286,7 +319,7 @@ def loss_spans(
                 start = len(prefix)
         except Exception:  # noqa: BLE001 -- a template may refuse a prefix; use the fallback
             pass
-        content = (messages[i].get("content") or "").strip()
+        content = content_text(messages[i].get("content")).strip()
         at = text.find(content, start if start is not None else after) if content else -1
         if start is None:
             if at < 0:

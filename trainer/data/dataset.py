@@ -19,7 +19,8 @@ Chat preparations (layout "windows", data.kind=chat) store fixed windows of W = 
 tokens: sample i is tokens [i*W, (i+1)*W). Beside each `<name>.bin`: `<name>.mask.bin` (uint8
 per token, 1 = a loss target), `<name>.pos.bin` (uint16, or uint32 when W > 65535: the token's
 position inside its document) and `<name>.count.bin` (uint32 per window: its loss tokens), each
-with its crc32 in the shard's `files`. Text preparations are layout "stream" (manifests written
+with its crc32 in the shard's `files`; a shard whose windows hold images also has the images'
+files (window_images.py). Text preparations are layout "stream" (manifests written
 before layouts existed read as that): sample i is tokens [i*T, i*T + T + 1).
 
 The token stream of a (source, split) is its shards back to back, in manifest order. The
@@ -50,6 +51,7 @@ SPLITS = ("train", "eval")
 STREAM = {"kind": "stream"}
 """The layout of text preparations: one token stream, windows cut across documents."""
 EXTRA_FILES = {"mask": "mask", "positions": "pos", "counts": "count"}
+EXTRA_FILES.update(pixels="img", images="imgs", window_images="wimg")  # with images only
 """Files beside a windows shard's tokens: kind -> the suffix of its name."""
 
 
@@ -86,12 +88,14 @@ class ShardInfo:
     real_tokens: int = 0
     """Layout windows: tokens that are not padding."""
     files: dict = field(default_factory=dict)
-    """Layout windows: kind (mask, positions, counts) -> {name, nbytes, crc32}."""
+    """Layout windows: kind (mask, positions, counts; pixels, images, window_images with
+    images) -> {name, nbytes, crc32}, and n, its elements, where that is not the tokens
+    (mask, positions) or the windows (counts)."""
 
     def extra(self, kind: str) -> "ShardInfo":
         """The file of `kind` beside the tokens, as a ShardInfo of its elements."""
         f = self.files[kind]
-        n = self.windows if kind == "counts" else self.tokens
+        n = f.get("n", self.windows if kind == "counts" else self.tokens)
         return ShardInfo(f["name"], n, self.documents, f["nbytes"], f["crc32"])
 
 

@@ -9,6 +9,9 @@ and positions read beside its tokens; the loss-token count of every window is lo
 open (4 bytes a window), so every rank knows a step's global loss-token count without any
 communication (`Batches.loss_tokens`, the loss normaliser: DESIGN.md invariant 1). Text with
 data.document_mask=true gets positions made from the tokens (restart after end-of-document).
+Windows that hold images (a vision-language chat preparation) come with their images' patches
+and grids, made from the stored resized images as the model's image processor makes them
+(window_images.py).
 
 A worker never holds more than `depth` steps of its own samples: each sample is one positional
 read of (seq_len + 1) tokens from the shard that holds it (two reads at a shard boundary), done by
@@ -33,6 +36,7 @@ from trainer.config import ConfigError
 from .dataset import PreparedData, TokenStream
 from .sampler import GlobalOrder, rank_range
 from .splits import too_small, window_mismatch
+from .window_images import Images
 
 EVAL_TAG = 1
 """Seeds the evaluation set's order apart from training's."""
@@ -63,6 +67,14 @@ class MicroBatch:
     positions: Optional[torch.Tensor] = None
     """[b, T + 1]: each token's position inside its document (0 starts one), as stored (int16
     or int32, read as unsigned) or int64 once moved; None: one causal sequence per window."""
+    pixels: Optional[torch.Tensor] = None
+    """float32 [N, 3 x temporal_patch_size x patch_size**2] (1176 for Qwen2-VL): the patches of
+    the micro-batch's images, as transformers' pixel_values, in the order of their
+    <|image_pad|> runs (row by row, then along the tokens); [0, 1176] when these windows hold
+    none; None when the preparation has no images at all."""
+    image_grid: Optional[torch.Tensor] = None
+    """int64 [n_images, 3]: each image's (t, h, w) in patches, as image_grid_thw; its
+    <|image_pad|> run is t * h * w // merge_size**2 tokens long. None with pixels."""
 
     @property
     def input_positions(self) -> Optional[torch.Tensor]:
@@ -108,6 +120,8 @@ class MicroBatch:
             tokens=move(self.tokens),
             loss_mask=move(self.loss_mask, widen=False),
             positions=move(self.positions),
+            pixels=move(self.pixels, widen=False),
+            image_grid=move(self.image_grid, widen=False),
         )
 
     def pin(self) -> "MicroBatch":
@@ -119,6 +133,8 @@ class MicroBatch:
             tokens=pin(self.tokens),
             loss_mask=pin(self.loss_mask),
             positions=pin(self.positions),
+            pixels=pin(self.pixels),
+            image_grid=pin(self.image_grid),
         )
 
 
@@ -180,8 +196,10 @@ class Batches:
             self.position_streams = [data.extra_stream("positions", i, split) for i in sources]
             self.counts = [data.window_counts(i, split).astype(np.int64) for i in sources]
             self.num_samples = [len(s) // self.width for s in self.streams]
+            self.images = Images.open(data, split)
         else:
             self.num_samples = [(len(s) - 1) // seq_len for s in self.streams]
+            self.images = None
         for i, n in enumerate(self.num_samples):
             if n <= 0:  # the driver's preflight says the same before any worker starts
                 raise ConfigError(too_small(data, i, split, seq_len))
@@ -280,7 +298,10 @@ class Batches:
             positions = _tensor(self._read(self.position_streams, sources, ids))
         elif self.document_mask:
             positions = torch.from_numpy(document_positions(raw, self.data.eod_id))
-        return MicroBatch(_tensor(raw), weight, ids, sources, mask, positions)
+        pixels = grid = None
+        if self.images is not None:
+            pixels, grid = self.images.patches(sources, ids, raw)
+        return MicroBatch(_tensor(raw), weight, ids, sources, mask, positions, pixels, grid)
 
     def epochs(self, step: int) -> list[float]:
         return self.order.epochs(step * self.global_batch)

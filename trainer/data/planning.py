@@ -3,8 +3,9 @@ files cut into work units (one JSONL or Parquet file, or text files grouped up t
 and the digest that names the preparation: of the file listing (names, sizes, mtimes), the
 tokenizer and the settings. It lives in `<prepared_dir>/<digest[:16]>/`, never mixes with
 another, never changes (DESIGN.md inv. 2). A chat preparation's digest also holds the kind,
-the template's sha256, the end-of-turn token, train_on, pack, overlong, seq_len and the
-columns; a text preparation's digest is as it always was.
+the template's sha256, the end-of-turn token, train_on, pack, overlong, seq_len, the
+columns and, when a preprocessor_config.json lies beside the tokenizer, the image processor's
+settings (images.py); a text preparation's digest is as it always was.
 
     plan = plan_preparation(cfg.data)       # ConfigError before anything is written
 """
@@ -21,6 +22,7 @@ from trainer.config import ConfigError, DataConfig
 from trainer.storage import Location
 
 from . import chat as chatlib
+from .images import ImageProcessing
 from .sources import InputFile, list_files
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -77,6 +79,9 @@ class Plan:
     template: Optional[chatlib.ChatTemplate] = None
     """The chat template: data.kind=chat always; text when one is known (for the export)."""
     eot_token: Optional[str] = None
+    images: Optional[ImageProcessing] = None
+    """Chat: the image processor of the preprocessor_config.json beside data.tokenizer (a
+    vision-language model's), which prepares the records' images; None: there is none."""
     prepared: Optional["PreparedInfo"] = None
     """What `prepare` made of this plan in this process: a second `prepare` of the same plan (the
     driver's preflight prepared small data, the launch asks again) returns it as it was, `created`
@@ -104,6 +109,8 @@ class Plan:
                 eot_token=self.eot_token,
                 columns=[c.messages_column, c.prompt_column, c.completion_column],
             )
+            if self.images is not None:
+                out["images"] = self.images.to_json()
         return out
 
     def unit_args(self) -> dict:
@@ -160,22 +167,24 @@ def plan_preparation(cfg: DataConfig) -> Plan:
             raise
         config = None  # text never needed it: a broken one beside the tokenizer is not fatal
     template, eot = _template_and_eot(cfg, config, tokenizer)
+    images = ImageProcessing.beside(cfg.tokenizer) if cfg.kind == "chat" else None
     if cfg.kind == "chat":  # text keeps its digest: prepared text data stays valid
-        key.append(
-            {
-                "kind": "chat",
-                "template_sha256": template.sha256,
-                "eot_token": eot,
-                "train_on": cfg.train_on,
-                "pack": cfg.pack,
-                "overlong": cfg.overlong,
-                "seq_len": cfg.seq_len,
-                "columns": [cfg.messages_column, cfg.prompt_column, cfg.completion_column],
-            }
-        )
+        chat = {
+            "kind": "chat",
+            "template_sha256": template.sha256,
+            "eot_token": eot,
+            "train_on": cfg.train_on,
+            "pack": cfg.pack,
+            "overlong": cfg.overlong,
+            "seq_len": cfg.seq_len,
+            "columns": [cfg.messages_column, cfg.prompt_column, cfg.completion_column],
+        }
+        if images is not None:  # chat without an image processor keeps its digest too
+            chat["images"] = images.to_json()
+        key.append(chat)
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     root = storage.resolve(dataset_dir(cfg.prepared_dir, digest))
-    return Plan(cfg, digest, root, tokenizer, files, units, config, template, eot)
+    return Plan(cfg, digest, root, tokenizer, files, units, config, template, eot, images)
 
 
 def _template_and_eot(cfg: DataConfig, config: Optional[dict], tokenizer: Tokenizer):

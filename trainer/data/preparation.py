@@ -26,6 +26,7 @@ from trainer import storage
 from trainer.config import ConfigError, DataConfig
 
 from . import chat as chatlib
+from .chat_images import IMAGE_TOKENS
 from .checks import check_vocab as check_vocab  # re-exported: trainer/data/splits.py
 from .dataset import (
     MANIFEST,
@@ -60,6 +61,10 @@ class PreparedInfo:
     """True if this call wrote the manifest; False if the preparation was complete already."""
     skipped: dict = field(default_factory=dict)
 
+
+IMAGE_TOKEN_KEYS = ("image_token", "vision_start", "vision_end")
+"""The manifest's tokenizer names the image tokens' ids image_token_id, vision_start_id and
+vision_end_id (as Qwen2-VL's config.json does) when the preparation has an image processor."""
 
 Runner = Callable[[Plan, list[WorkUnit]], list[dict]]
 """runner(plan, units) -> the units' records, in any order (cluster/ has one on Ray Data)."""
@@ -123,17 +128,7 @@ def prepare(
     manifest = find_prepared(plan)
     created = manifest is None
     if manifest is None:
-        plan.root.fs.create_dir(plan.root.path, recursive=True)
-        listing = storage.list_dir(plan.root)
-        todo = [
-            u for u in plan.units if unit_record_name(plan.digest, u.source, u.index) not in listing
-        ]
-        if len(todo) < len(plan.units):
-            log(
-                f"prepare: resuming {plan.root}: {len(plan.units) - len(todo)} of "
-                f"{len(plan.units)} units are done already"
-            )
-        records = runner(plan, todo) if runner else run_in_process(plan, todo, log)
+        records = _run_units(plan, runner, log)
         manifest = assemble(plan, _all_records(plan, records))
         storage.write_atomic(plan.root.child(MANIFEST), manifest.to_json())
     info = _info(plan, manifest, created)
@@ -144,6 +139,28 @@ def prepare(
         )
     plan.prepared = info
     return info
+
+
+def _run_units(plan: Plan, runner: Optional[Runner], log) -> list[dict]:
+    """The records of the units not done yet, done now. When the input is refused (a
+    ConfigError from a unit: a missing image, say) the folder this call created is removed, so
+    nothing of a refused preparation remains."""
+    fresh = not storage.exists(plan.root)
+    plan.root.fs.create_dir(plan.root.path, recursive=True)
+    listing = storage.list_dir(plan.root)
+    done = {n for n in listing if n.endswith(".done.json")}
+    todo = [u for u in plan.units if unit_record_name(plan.digest, u.source, u.index) not in done]
+    if len(todo) < len(plan.units):
+        log(
+            f"prepare: resuming {plan.root}: {len(plan.units) - len(todo)} of "
+            f"{len(plan.units)} units are done already"
+        )
+    try:
+        return runner(plan, todo) if runner else run_in_process(plan, todo, log)
+    except ConfigError:
+        if fresh:
+            storage.delete_dir(plan.root)
+        raise
 
 
 def _all_records(plan: Plan, fresh: list[dict]) -> list[dict]:
@@ -227,6 +244,8 @@ def tokenizer_info(plan: Plan) -> dict:
     for i in (id_of(eot), id_of(eos), tok.eod_id):
         if i is not None and i not in stop_ids:
             stop_ids.append(i)
+    if plan.images is not None:  # what the model and generation need to place images
+        info.update({f"{k}_id": id_of(t) for k, t in zip(IMAGE_TOKEN_KEYS, IMAGE_TOKENS)})
     info.update(
         chat_template=plan.template.text if plan.template else None,
         tokenizer_config=plan.tokenizer_config,

@@ -10,8 +10,10 @@ text or auto, files with a NUL byte in their first 8 KiB are skipped as binary),
 sorted by their path below the source's root, so a listing is the same on every machine.
 
 Chat records (data.kind=chat, `read_records`): a JSONL object or a Parquet row holding a
-message list (Parquet: list<struct<role, content>>) or a prompt and a completion; a record is
-yielded as a dict of those fields, and checked and rendered by preparation (chat.py).
+message list (Parquet: list<struct<role, content>>, content a string or a list of parts) or a
+prompt and a completion; a record is yielded as a dict of those fields (`numbered_records`:
+with its place in the file, for messages that name it), and checked and rendered by
+preparation (chat.py, chat_images.py).
 
 Formats: text (the file's bytes are one document), jsonl (one JSON object per line, its
 `text_column` field is the document; .gz / .zst / .bz2 are read compressed), parquet (one row per
@@ -292,6 +294,16 @@ def _missing(f: InputFile, column: str, present: list[str], what: str, where: st
 def read_records(f: InputFile, columns: tuple[str, ...], counts: Counts) -> Iterator[dict]:
     """The chat records of a JSONL or Parquet file: dicts of the `columns` they hold (messages,
     prompt, completion). Unreadable lines are skipped and counted."""
+    for _, record in numbered_records(f, columns, counts):
+        yield record
+
+
+def numbered_records(
+    f: InputFile, columns: tuple[str, ...], counts: Counts, extra: tuple[str, ...] = ()
+) -> Iterator[tuple[str, dict]]:
+    """(where, record) of each chat record of a file: `where` names it to the user ("record 3
+    (line 5)" in JSONL, "record 3" in Parquet: its index among the file's records, from 0).
+    Parquet also reads the `extra` columns it has (a record's images)."""
     loc = storage.resolve(f.uri)
     if f.format == "parquet":
         with loc.fs.open_input_file(loc.path) as handle:
@@ -299,10 +311,13 @@ def read_records(f: InputFile, columns: tuple[str, ...], counts: Counts) -> Iter
             present = [c for c in columns if c in pf.schema_arrow.names]
             if not present:
                 _missing_chat(f, columns, pf.schema_arrow.names, "columns", "its schema")
-            for batch in pf.iter_batches(columns=present, batch_size=1024):
+            present += [c for c in extra if c in pf.schema_arrow.names and c not in present]
+            index, rows = 0, _batch_rows(pf.schema_arrow, present)
+            for batch in pf.iter_batches(columns=present, batch_size=rows):
                 for record in batch.to_pylist():
                     counts.add("documents")
-                    yield record
+                    yield f"record {index}", record
+                    index += 1
         return
     if f.format != "jsonl":
         raise ConfigError(
@@ -310,9 +325,16 @@ def read_records(f: InputFile, columns: tuple[str, ...], counts: Counts) -> Iter
             "jsonl or parquet (chat records are JSON objects or Parquet rows)"
         )
     with loc.fs.open_input_stream(loc.path, compression=f.compression) as stream:
-        for _, record in _jsonl_objects(stream, counts):
+        for index, (line, record) in enumerate(_jsonl_objects(stream, counts)):
             counts.add("documents")
-            yield record
+            yield f"record {index} (line {line})", record
+
+
+def _batch_rows(schema, columns: list[str]) -> int:
+    """Rows read at a time: 1024, or 32 where a column holds binary data (images: a batch of
+    1024 rows of images would be a GiB in memory at once)."""
+    types = " ".join(str(schema.field(c).type) for c in columns)
+    return 32 if "binary" in types else 1024
 
 
 def first_record_fields(f: InputFile) -> list[str]:

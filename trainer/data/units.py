@@ -11,10 +11,18 @@ its loss mask (chat.py); within each unit, whole conversations (truncated to or 
 W = data.seq_len + 1 tokens, per data.overlong) are packed into windows of W tokens by
 best-fit-decreasing (packing.py; data.pack=false: one per window), and each split's shard gets
 its mask, positions and per-window loss-token count files beside the tokens (dataset.py).
+
+Images in chat records (chat_images.py): read, decoded and resized when the record is read (a
+bad one refuses the preparation, naming the file and the record), spilled to a local temporary
+file, then written beside the shard in window order (window_images.py). Each <|image_pad|> is
+expanded to its image's tokens before packing, so a conversation's length is its length in
+the model; one whose image tokens a truncation would cut is dropped (overlong_image_dropped),
+so every image lies whole in one window, with its pixels.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 import zlib
@@ -27,10 +35,12 @@ from trainer import storage
 from trainer.storage import Location
 
 from . import chat as chatlib
+from . import window_images
+from .chat_images import IMAGES_COLUMN, Vision, Where, image_refs
 from .dataset import SPLITS, ShardInfo, extra_name, positions_dtype, shard_name, unit_record_name
 from .packing import best_fit_decreasing, build_windows
 from .planning import WorkUnit
-from .sources import Counts, read_documents, read_records
+from .sources import Counts, numbered_records, read_documents
 from .tokenizer import Tokenizer, load_tokenizer
 
 ENCODE_BATCH = 512
@@ -131,15 +141,18 @@ def _chat_unit(unit: WorkUnit, args: dict, tok: Tokenizer, root: Location):
     width, eot, train_on = settings["width"], settings["eot_token"], settings["train_on"]
     columns = tuple(settings["columns"])
     template = chatlib.ChatTemplate(args["chat"]["template"], args["chat"]["tokens"])
+    vision = Vision.of(settings, tok)
     counts = Counts()
     docs: dict[str, list] = {s: [] for s in SPLITS}
     batch: list = []
 
     def flush() -> None:
-        encodings = tok.model.encode_batch([t for t, _ in batch], add_special_tokens=False)
-        for (text, spans), enc in zip(batch, encodings):
+        encodings = tok.model.encode_batch([b[0] for b in batch], add_special_tokens=False)
+        for (text, spans, images, where), enc in zip(batch, encodings):
+            vision.check(enc.ids, images, where)
             got = chatlib.encoded(text, spans, enc)
-            got = _fit(got, width, settings["overlong"], counts)
+            got = got if isinstance(got, str) else vision.expand(got, images)
+            got = _fit(got, width, settings["overlong"], counts, vision)
             if isinstance(got, str):
                 counts.add(got)
                 counts.add("documents", -1)
@@ -148,54 +161,66 @@ def _chat_unit(unit: WorkUnit, args: dict, tok: Tokenizer, root: Location):
             docs["eval" if held else "train"].append(got)
         batch.clear()
 
-    for f in unit.files:
-        for record in read_records(f, columns, counts):
-            got = chatlib.record_messages(record, *columns)
-            if not isinstance(got, str):
-                messages, pair = got
-                if train_on == "completion" and not pair:
-                    got = "no_loss_tokens"  # completion has no meaning on message records
-                else:
-                    got = chatlib.render_spans(template, messages, train_on, eot)
-            if isinstance(got, str):
-                counts.add(got)
-                counts.add("documents", -1)
-                continue
-            batch.append(got)
-            if len(batch) >= ENCODE_BATCH:
-                flush()
-    flush()
-    pad = tok.model.token_to_id(eot)
-    shards = {
-        s: _write_windows(
-            root,
-            shard_name(args["digest"], unit.source, unit.index, s),
-            docs[s],
-            width,
-            pad,
-            settings["pack"],
-            tok.dtype,
-        )
-        for s in SPLITS
-    }
+    try:
+        for f in unit.files:
+            for label, record in numbered_records(f, columns, counts, (IMAGES_COLUMN,)):
+                where = Where(f, label)
+                got = _conversation(record, columns, template, train_on, eot, vision, where)
+                if isinstance(got, str):
+                    counts.add(got)
+                    counts.add("documents", -1)
+                    continue
+                batch.append(got)
+                if len(batch) >= ENCODE_BATCH:
+                    flush()
+        flush()
+        pad = tok.model.token_to_id(eot)
+        name = functools.partial(shard_name, args["digest"], unit.source, unit.index)
+        shards = {
+            s: _write_windows(
+                root, name(s), docs[s], width, pad, settings["pack"], tok.dtype, vision
+            )
+            for s in SPLITS
+        }
+    finally:
+        vision.close()
     return counts, shards
 
 
-def _fit(got, width: int, overlong: str, counts: Counts):
+def _conversation(record, columns, template, train_on, eot, vision: Vision, where: Where):
+    """(rendered text, loss spans, images, where) of a record, or the reason it is skipped.
+    Its images are read, decoded and resized here: a bad one refuses the preparation."""
+    got = chatlib.record_messages(record, *columns)
+    if isinstance(got, str):
+        return got
+    messages, pair = got
+    refs = image_refs(messages, record.get(IMAGES_COLUMN), where)
+    if train_on == "completion" and not pair:
+        return "no_loss_tokens"  # completion has no meaning on message records
+    got = chatlib.render_spans(template, messages, train_on, eot)
+    if isinstance(got, str):
+        return got
+    return (*got, vision.load(refs, where), where)
+
+
+def _fit(got, width: int, overlong: str, counts: Counts, vision: Vision):
     """A conversation cut to the window (data.overlong=truncate) or dropped; the reason when
-    it is skipped (no loss token left after truncation)."""
+    it is skipped (no loss token left after truncation; a cut through its images)."""
     if isinstance(got, str) or len(got.ids) <= width:
         return got
     if overlong == "drop":
         return "overlong_dropped"
+    if not vision.fits(got, width):
+        return "overlong_image_dropped"
     if not got.mask[:width].any():
         return "no_loss_tokens"
     counts.add("overlong_truncated")
-    return chatlib.Encoded(got.ids[:width], got.mask[:width], got.text)
+    return chatlib.Encoded(got.ids[:width], got.mask[:width], got.text, got.images)
 
 
-def _write_windows(root, name, docs, width, pad, pack, dtype) -> Optional[ShardInfo]:
-    """One split's windows: tokens, mask, positions and per-window loss counts, each a file."""
+def _write_windows(root, name, docs, width, pad, pack, dtype, vision) -> Optional[ShardInfo]:
+    """One split's windows: tokens, mask, positions and per-window loss counts, each a file;
+    and the windows' images when they hold any (window_images.py)."""
     if not docs:
         return None
     lengths = [len(d.ids) for d in docs]
@@ -221,8 +246,25 @@ def _write_windows(root, name, docs, width, pad, pack, dtype) -> Optional[ShardI
         for k, i in infos.items()
         if k != "tokens"
     }
+    if any(d.images for d in docs):
+        for kind, i in _write_images(root, name, docs, bins, vision).items():
+            files[kind] = {"name": i.name, "nbytes": i.nbytes, "crc32": i.crc32, "n": i.tokens}
     t = infos["tokens"]
     return ShardInfo(t.name, t.tokens, len(docs), t.nbytes, t.crc32, len(bins), w.real, files)
+
+
+def _write_images(root, name, docs, bins, vision: Vision) -> dict[str, ShardInfo]:
+    """The images of the windows `bins`, from the unit's spill file, in window order."""
+    order, records, firsts = window_images.layout(docs, bins)
+    pixels = _ShardWriter(root, extra_name(name, "pixels"), np.dtype(np.uint8))
+    for image in order:
+        pixels.write(vision.spill.read(image), 0)
+    out = {"pixels": pixels.close()}
+    for kind, data in (("images", records.reshape(-1)), ("window_images", firsts)):
+        writer = _ShardWriter(root, extra_name(name, kind), data.dtype)
+        writer.write(data, 0)
+        out[kind] = writer.close()
+    return out
 
 
 def _held_out(doc, fraction: float) -> bool:
