@@ -127,9 +127,11 @@ def rope_index(
     counts = [gt * gh * gw for gt, gh, gw in sizes]
     found = int(is_image.sum())
     if found != sum(counts):
+        given = f"the images given take {sum(counts)} ({counts} each)"
         raise ValueError(
             f"{found} image tokens (model.vision.image_token_id={vision.image_token_id}) in the "
-            f"tokens; the images of image_grid take {sum(counts)} ({counts} each)"
+            f"tokens, but {given if grid else 'no image is given (pixels, image_grid)'}; an "
+            "image of grid (t, h, w) takes t*h*w / spatial_merge_size**2"
         )
     if not grid:
         return positions[None].expand(3, b, t)
