@@ -124,7 +124,14 @@ def model_digest(model: ModelConfig) -> str:
     is not part of its shape)."""
     # Fields added after checkpoints existed count only away from their default (a Llama of
     # before them keeps its digest).
-    later = {"family": "llama", "head_dim": None, "qkv_bias": False, "qk_norm": False}
+    later = {
+        "family": "llama",
+        "head_dim": None,
+        "qkv_bias": False,
+        "qk_norm": False,
+        "mrope_section": None,
+        "vision": None,
+    }
     shape = {
         k: v
         for k, v in dataclasses.asdict(model).items()
