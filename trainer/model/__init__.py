@@ -10,7 +10,8 @@ torch, no sharding code: the engine (trainer/fsdp) wraps any of it by itself.
     rotary.py          rotary position embedding (Llama 3.1 scaling), tables cached, not buffers
     attention.py       grouped-query attention over document boundaries; its context; KV cache
     feedforward.py     SwiGLU
-    decoder.py         the block, the output head, the Transformer, build_model
+    decoder.py         the block, the output head, the Transformer
+    build.py           build_model: the decoder or the vision-language model, on meta or filled
     vision.py          the image tower: patch embedding, blocks with 2-D rotary, patch merger
     multimodal.py      the vision-language model: the decoder, the tower, 3-D rotary positions
     initialization.py  every parameter from (seed, its name) alone; Linears carrying their std
@@ -24,9 +25,10 @@ from trainer.loss import loss_sum as loss_sum  # re-exported: its home is traine
 from trainer.loss import projected_loss_sum as projected_loss_sum
 
 from .attention import Attention, AttentionContext, KVCache, attend, document_ids, document_mask
+from .build import build_model
 from .config import VisionConfig
 from .counts import count_params, flops_per_token, vision_flops_per_patch, vision_params
-from .decoder import OutputHead, Transformer, TransformerBlock, build_model
+from .decoder import OutputHead, Transformer, TransformerBlock
 from .feedforward import FeedForward
 from .initialization import init_parameters, initializer
 from .multimodal import VisionLanguageModel, rope_index

@@ -36,7 +36,6 @@ from .attention import Attention, AttentionContext, KVCache, document_mask
 from .config import ModelConfig
 from .context import ContextSplit
 from .feedforward import FeedForward
-from .initialization import init_parameters
 from .moe import LoadBalance, MoE
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
@@ -179,21 +178,3 @@ class Transformer(nn.Module):
             return AttentionContext(cos_sin, None, cache)
         cos_sin = self.rotary.at(positions, tokens.device, dtype)
         return AttentionContext(cos_sin, document_mask(positions))
-
-
-def build_model(cfg: ModelConfig, device="meta", seed: Optional[int] = None) -> Transformer:
-    """The model on `device`; on meta (the default) nothing is allocated, even for 8B. With
-    cfg.vision, the vision-language model (multimodal.py: this decoder and an image tower).
-
-    On a real device the model is built on meta, materialised with `to_empty` and filled by
-    `init_parameters(model, seed or 0)`: torch's default per-layer init is never run (it would
-    be wasted work, and not keyed by name).
-    """
-    from .multimodal import VisionLanguageModel  # noqa: PLC0415 -- it imports this module
-
-    with torch.device("meta"):
-        model = VisionLanguageModel(cfg) if cfg.vision is not None else Transformer(cfg)
-    if torch.device(device).type != "meta":
-        model.to_empty(device=device)
-        init_parameters(model, 0 if seed is None else seed)
-    return model
