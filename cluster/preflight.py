@@ -82,6 +82,10 @@ def checked_config(
         from trainer.build import check_module_strategies  # noqa: PLC0415 -- torch: when asked
 
         check_module_strategies(cfg)
+    if cfg.train.freeze:  # a pattern naming no parameter, or freezing all: before any worker
+        from trainer.build import check_freeze  # noqa: PLC0415 -- torch: when asked
+
+        check_freeze(cfg)
     if cfg.train.float8:  # torchao missing or a bad recipe: before any worker starts
         from trainer.speed import check_float8  # noqa: PLC0415 -- torch: only when asked for
 

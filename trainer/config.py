@@ -21,6 +21,8 @@ from trainer.fsdp.config import ConfigError, DType, ShardingConfig, ShardingStra
 from trainer.model.config import FAMILY_NAMES, PRESETS, ModelConfig, model_config
 from trainer.numbers import finite, positive
 
+from .combinations import check_combinations
+
 __all__ = [
     "FAMILY_NAMES",
     "PRESETS",
@@ -420,31 +422,7 @@ class TrainerConfig:
                 self.data.seq_len,
                 f"at most model.max_seq_len={self.model.max_seq_len}",
             )
-        experts, ep = self.model.moe_experts, self.sharding.expert_parallel
-        if ep > 1 and not experts:
-            fail("sharding.expert_parallel", ep, "1 (a dense model: model.moe_experts=0)")
-        if experts and experts % ep:
-            valid = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
-            fail(
-                "sharding.expert_parallel",
-                ep,
-                f"a divisor of the model's {experts} experts ({valid})",
-            )
-        cp = self.train.context_parallel
-        if cp > 1 and experts:
-            fail(
-                "train.context_parallel",
-                cp,
-                f"1 with a mixture of experts (model.moe_experts={experts}): context parallelism "
-                "and expert routing do not combine yet",
-            )
-        if cp > 1 and self.data.seq_len < 2 * cp:
-            fail(
-                "train.context_parallel",
-                cp,
-                f"at most data.seq_len / 2 = {self.data.seq_len // 2} (each rank holds two "
-                "chunks of every sequence)",
-            )
+        check_combinations(self)
         if self.train.eval_every and not self.data.eval_fraction:
             fail(
                 "train.eval_every",

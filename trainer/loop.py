@@ -170,6 +170,8 @@ class Trainer:
         built = build(cfg, self.mesh, self.device, NO_INIT if fills else initializer(t.seed))
         self.model, self.optimizer, self.scaler = built.model, built.optimizer, built.scaler
         self.speed = built.speed  # what train.compile / train.float8 did (trainer/speed.py)
+        if built.frozen is not None:  # train.freeze: what it froze, in counts
+            print0(built.frozen.describe())
         self.global_tokens = global_tokens_per_step(t.global_batch_size, d.seq_len)
         # A mixture of experts counts the real tokens of its routing (padding left out).
         self.pad_id = self.data.eod_id if cfg.model.moe_experts else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from trainer.config import ConfigError, TrainerConfig
 
 from . import chat as chatlib
+from .chat_images import IMAGE_PAD
 from .planning import Plan, plan_preparation
 from .sources import check_text_column, first_record_fields, missing_chat_columns
 
@@ -25,7 +26,32 @@ def plan_and_check(cfg: TrainerConfig) -> Plan:
         for spec, files in zip(cfg.data.sources(), plan.files):
             check_text_column(files[0], spec.text_column)
     check_vocab(cfg, plan.tokenizer.vocab_size, cfg.data.tokenizer)
+    check_images(cfg, plan)
     return plan
+
+
+def check_images(cfg: TrainerConfig, plan: Plan) -> None:
+    """Images in the data need a model with a vision tower, and its image token must be the
+    tokenizer's <|image_pad|> (a different id would place the image features on text tokens
+    and train on the result without a word). A preprocessor_config.json beside the tokenizer
+    makes a preparation prepare images."""
+    vision, model = cfg.model.vision, getattr(plan.tokenizer, "model", None)
+    if plan.images is None or model is None:  # no image processor, or byte-level text
+        return
+    if vision is None:
+        raise ConfigError(
+            f"invalid config: model.family={cfg.model.family} has no vision tower, but the data's "
+            f"tokenizer folder ({cfg.data.tokenizer}) holds an image processor, so its chat "
+            "records' images are prepared; valid: a vision-language model (model=hf with "
+            "model.hf_path=<a Qwen2-VL folder>), or a tokenizer without preprocessor_config.json"
+        )
+    pad = model.token_to_id(IMAGE_PAD)
+    if pad != vision.image_token_id:
+        raise ConfigError(
+            f"invalid config: model.vision.image_token_id={vision.image_token_id} is not the "
+            f"tokenizer's {IMAGE_PAD} ({pad}, {cfg.data.tokenizer}); valid: the model and the "
+            "tokenizer of the same checkpoint"
+        )
 
 
 def check_chat(plan: Plan) -> None:
