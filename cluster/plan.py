@@ -7,15 +7,25 @@ the GPUs.
     python -m cluster.plan model=70b cluster.num_workers=8 device_memory_gb=80 \\
         sharding.param_dtype=bfloat16 data.seq_len=4096 train.global_batch_size=16 --table
 
+    python -m cluster.plan model=70b --gpus 4096 sharding.param_dtype=bfloat16 \\
+        data.seq_len=4096 train.global_batch_size=4096     # a cluster this machine never sees
+
 The arguments are the training job's Hydra overrides (conf/), plus keys of the planner's own:
-  device_memory_gb    GiB per device (else cluster.device_memory_gb, else 80)
+  --gpus N (gpus=N)   the workers to plan for (cluster.num_workers=N)
+  device_memory_gb    GiB per device (else cluster.device_memory_gb, else the gpu's, else 80)
   host_memory_gb      GiB of host memory per node, shared by its workers (else
                       cluster.host_memory_gb, else with cluster=ray what Ray reports of its GPU
                       nodes, else 1024)
   local_world_size    workers per node, the default HYBRID_SHARD group (else with cluster=ray the
                       GPUs of a node, else 8)
-  pcie_gbs, compute_tflops, network_gbs, host_bandwidth_gbs: the rates of the step-time
-                      estimate (defaults and their sources: trainer/plan/levers.py)
+  gpu                 the GPU kind: h100 (default), h200, a100, a100-40, l40s, rtx4090
+                      (peak, efficiency, memory bandwidth and usual links: trainer/plan/hardware.py)
+  intra, network      the links inside a node and between nodes by name (nvlink-4, pcie-4,
+                      ib-ndr-400, roce-400, efa-400-node, eth-100, ...: hardware.LINKS)
+  compute_tflops, intra_gbs, network_gbs, pcie_gbs, host_bandwidth_gbs: rates overriding the
+                      gpu's (achieved TFLOP/s a GPU; GB/s a GPU inside a node, between nodes,
+                      over PCIe; host memory GB/s a node)
+  failures_per_gpu_hour  for the goodput lines (default: the Llama 3 report's, 1.97e-5)
   --table (or table=true): also the table of every combination of the memory levers
 A plan fits when its peak fits in the device's memory less a GPU worker's headroom (the CUDA
 context, NCCL buffers and a fragmentation margin, trainer/plan/headroom.py), each a row of the
@@ -23,10 +33,14 @@ breakdown, and the node's workers fit in its host memory.
 
 Per world size (an elastic job, cluster.min_workers/max_workers, is planned at both ends): the
 configured job's breakdown, the assumptions (each with the key that sets it), and one line,
-`recommended: <overrides>`: among every sharding strategy, activation checkpointing, micro-batch
-count and memory lever (optim.state_dtype, sharding.master_dtype, sharding.offload, in-memory
-snapshots), the fastest predicted step that fits, ties within 5% to the mildest levers (the
-rule, printed with it: trainer/plan/choose.py CHOICE_RULE).
+`recommended: <overrides>`: among every mesh (each sharding strategy; HYBRID_SHARD with shard
+groups of a node x 1, 2, 4, ...), activation checkpointing, micro-batch count and memory lever
+(optim.state_dtype, sharding.master_dtype, sharding.offload, in-memory snapshots), the best
+predicted tokens/s per GPU that fits (trainer/plan/steptime.py), ties within 5% to the mildest
+levers (the rule, printed with it: trainer/plan/choose.py CHOICE_RULE); then `why:` (where the
+answer's collectives run, what of its step computes, its tokens/s against the fastest other
+mesh) and `goodput:` (the snapshot and checkpoint intervals that maximise it at the failure
+rate, and the table with and without spares and in-memory snapshots: trainer/plan/goodput.py).
 Exit status 0 when the configured job or the recommendation fits at every world size it may
 have; 1 when nothing fits at one, with an `error:` line naming the closest configuration; 2 for
 an invalid config.
@@ -41,7 +55,6 @@ planner itself is trainer/plan.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +64,15 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.address import NoCluster, join_address, joins_cluster
 from cluster.compose import check_override_keys, register_schemas, to_job_config
-from cluster.config import ClusterConfig, ConfigError, JobConfig
+from cluster.config import ConfigError, JobConfig
+from cluster.plan_assumptions import (
+    Setting,
+    batch_note,
+    cluster_hardware,
+    format_assumptions,
+    settings,
+)
 from trainer.plan import (
     Costs,
     choose,
@@ -62,46 +81,40 @@ from trainer.plan import (
     format_options,
     options,
     plan,
-    rows_per_micro_batch,
     strategies,
 )
 from trainer.plan.choose import best_per_levers
 from trainer.plan.context import SEQUENCE_STEP
-from trainer.plan.levers import DEFAULT_HOST_MEMORY_GB
+from trainer.plan.goodput import Recovery, goodput_table
+from trainer.plan.hardware import Hardware
 from trainer.plan.planner import GiB
+from trainer.plan.reasons import format_goodput, format_why
 from trainer.plan.report import duration, mem
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 RATES = Costs()
-DEFAULT_DEVICE_MEMORY_GB = 80.0
-DEFAULT_LOCAL_WORLD_SIZE = 8
 PLAN_KEYS = {
     "device_memory_gb": float,
     "host_memory_gb": float,
     "local_world_size": int,
+    "gpus": int,
+    "gpu": str,
+    "intra": str,
+    "network": str,
     "pcie_gbs": float,
     "compute_tflops": float,
+    "intra_gbs": float,
     "network_gbs": float,
     "host_bandwidth_gbs": float,
+    "failures_per_gpu_hour": float,
 }
 TABLE_FLAGS = {"--table": True, "table=true": True, "table=false": False}
-DEFAULTS_MODEL = "tiny"
-"""conf/config.yaml's default model: its train and data keys are sized for it."""
-BATCH_KEYS = ("train.global_batch_size", "data.seq_len", "data")
-"""The keys (and the data group) that size a micro-batch's tokens."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A figure the plan assumes, and where it came from (said beside it)."""
-
-    value: float
-    source: str
 
 
 def split_args(argv: list[str]) -> tuple[dict, list[str], bool]:
     """(the planner's own keys as given, the Hydra overrides, whether the table is asked for)."""
     own, overrides, table = {}, [], False
+    argv = _flags(argv)
     for arg in argv:
         key, sep, value = arg.partition("=")
         if arg in TABLE_FLAGS:
@@ -109,10 +122,29 @@ def split_args(argv: list[str]) -> tuple[dict, list[str], bool]:
         elif key == "table":
             raise ConfigError(f"invalid config: table={value!r}; valid: true or false (--table)")
         elif sep and key in PLAN_KEYS:
-            own[key] = _positive(key, value, PLAN_KEYS[key])
+            kind = PLAN_KEYS[key]
+            own[key] = value if kind is str else _positive(key, value, kind)
         else:
             overrides.append(arg)
+    if "gpus" in own:
+        overrides.append(f"cluster.num_workers={own['gpus']}")
     return own, overrides, table
+
+
+def _flags(argv: list[str]) -> list[str]:
+    """`--gpus 4096` and `--gpus=4096` as `gpus=4096`."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--gpus":
+            if i + 1 == len(argv):
+                raise ConfigError("invalid config: --gpus needs a value; valid: --gpus N, N > 0")
+            out.append(f"gpus={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg[2:] if arg.startswith("--gpus=") else arg)
+        i += 1
+    return out
 
 
 def _positive(key: str, value: str, kind: type) -> float:
@@ -138,133 +170,18 @@ def compose_job(overrides: list[str]) -> JobConfig:
     return dataclasses.replace(cfg, model=resolve_model(cfg.model)).validate()
 
 
-# ----------------------------------------------------------------------------- the assumptions
+@dataclass(frozen=True)
+class Run:
+    """What every world size of one command is planned with."""
+
+    costs: Costs
+    hw: Hardware
+    recovery: Recovery
+    note: Optional[str]
+    table: bool
 
 
-def node_shape(nodes: list[dict]) -> Optional[tuple[float, int, str]]:
-    """(host GiB, GPUs, what it is) of the tightest GPU node among Ray's alive nodes' resources
-    (the least host memory a GPU), or None without a GPU node. A node's host memory is Ray's
-    `memory` + `object_store_memory`: the memory available when the node started, split."""
-    gpu_nodes = [n for n in nodes if n.get("GPU", 0) >= 1]
-    if not gpu_nodes:
-        return None
-    host = [(n.get("memory", 0) + n.get("object_store_memory", 0)) / GiB for n in gpu_nodes]
-    gpus = [int(n["GPU"]) for n in gpu_nodes]
-    i = min(range(len(gpu_nodes)), key=lambda k: host[k] / gpus[k])
-    many = len(gpu_nodes) > 1
-    what = f"the tightest of {len(gpu_nodes)} GPU nodes" if many else "its GPU node"
-    return host[i], gpus[i], what
-
-
-def ray_nodes(cluster: ClusterConfig) -> tuple[Optional[list[dict]], str]:
-    """(the alive nodes' resources, the address) of the Ray this job joins, read in a moment;
-    or (None, why not)."""
-    try:
-        address = join_address(cluster)
-    except NoCluster as e:
-        return None, str(e).split("; valid:")[0]
-    import ray  # noqa: PLC0415 -- ray costs seconds to import: only for cluster=ray
-
-    try:
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    except (ConnectionError, RuntimeError, TimeoutError) as e:
-        return None, f"Ray at {address}: {type(e).__name__}: {e}"
-    finally:
-        ray.shutdown()
-    return nodes, address
-
-
-def settings(own: dict, cfg: JobConfig) -> dict[str, Setting]:
-    """device, host (GiB) and local (workers per node): the planner's keys as given, else the
-    job's cluster keys, else (cluster=ray) the Ray cluster's GPU nodes, else the defaults."""
-    c = cfg.cluster
-    out = {}
-    if "device_memory_gb" in own:
-        out["device"] = Setting(own["device_memory_gb"], "device_memory_gb")
-    elif c.device_memory_gb is not None:
-        out["device"] = Setting(c.device_memory_gb, "cluster.device_memory_gb")
-    else:
-        out["device"] = Setting(DEFAULT_DEVICE_MEMORY_GB, "the default; device_memory_gb sets it")
-    if "host_memory_gb" in own:
-        out["host"] = Setting(own["host_memory_gb"], "host_memory_gb")
-    elif c.host_memory_gb is not None:
-        out["host"] = Setting(c.host_memory_gb, "cluster.host_memory_gb")
-    if "local_world_size" in own:
-        out["local"] = Setting(own["local_world_size"], "local_world_size")
-    if len(out) < 3 and c.use_gpu and joins_cluster(c):
-        out = {**_from_ray(c), **out}
-    out.setdefault(
-        "host",
-        Setting(DEFAULT_HOST_MEMORY_GB, "the default, an 8-GPU DGX node's; host_memory_gb sets it"),
-    )
-    out.setdefault(
-        "local", Setting(DEFAULT_LOCAL_WORLD_SIZE, "the default; local_world_size sets it")
-    )
-    return out
-
-
-def _from_ray(cluster: ClusterConfig) -> dict[str, Setting]:
-    nodes, where = ray_nodes(cluster)
-    shape = None if nodes is None else node_shape(nodes)
-    if shape is None:
-        why = where if nodes is None else f"Ray at {where} has no GPU node"
-        return {
-            "host": Setting(DEFAULT_HOST_MEMORY_GB, f"the default: {why}; host_memory_gb sets it")
-        }
-    host, gpus, what = shape
-    return {
-        "host": Setting(host, f"Ray at {where}, {what}: its memory + object store"),
-        "local": Setting(gpus, f"Ray at {where}, {what}: its GPUs"),
-    }
-
-
-def batch_note(cfg: JobConfig, overrides: list[str]) -> Optional[str]:
-    """What to say when a model other than conf/'s default runs on conf/'s default batch (no key
-    of BATCH_KEYS given): it is sized for the tiny model, so name the keys to set."""
-    given = {arg.partition("=")[0].lstrip("+~") for arg in overrides}
-    if cfg.model.name == DEFAULTS_MODEL or given & set(BATCH_KEYS):
-        return None
-    return (
-        f"conf/'s defaults, sized for the {DEFAULTS_MODEL} model, not for {cfg.model.name}: set "
-        "train.global_batch_size, data.seq_len and train.micro_batches to the job's"
-    )
-
-
-def format_assumptions(
-    cfg: JobConfig, world: int, s: dict[str, Setting], costs: Costs, note: Optional[str]
-) -> str:
-    """The short block before the answer: each figure the plan assumes, and what sets it."""
-    t, seq = cfg.train, cfg.data.seq_len
-    rows = rows_per_micro_batch(t.global_batch_size, world // t.context_parallel, t.micro_batches)
-    local = int(s["local"].value)
-    lines = [
-        "Assumed:",
-        f"  device memory  {s['device'].value:.2f} GiB a worker ({s['device'].source})",
-        f"  host memory    {s['host'].value:.2f} GiB a node ({s['host'].source})",
-        f"  workers/node   {min(local, world)} sharing that host (local_world_size={local}: "
-        f"{s['local'].source})",
-        f"  micro-batch    {rows} x {seq} tokens a worker, {t.micro_batches} a step "
-        f"(train.global_batch_size={t.global_batch_size} over {world} "
-        f"worker{'s' if world > 1 else ''}, "
-        f"train.micro_batches={t.micro_batches}, data.seq_len={seq})",
-    ]
-    if note:
-        lines.append(f"                 {note}")
-    lines.append(
-        f"  step time      {costs.compute_tflops:g} TFLOP/s, network {costs.network_gbs:g} GB/s, "
-        f"PCIe {costs.pcie_gbs:g} GB/s, host memory {costs.host_bandwidth_gbs:g} GB/s a node, "
-        "nothing overlapped (compute_tflops, network_gbs, pcie_gbs, host_bandwidth_gbs)"
-    )
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- the command
-
-
-def plan_world(
-    cfg: JobConfig, world: int, s: dict[str, Setting], costs: Costs, note, table: bool
-) -> bool:
+def plan_world(cfg: JobConfig, world: int, s: dict[str, Setting], run: Run) -> bool:
     """Print one world size's breakdown, assumptions and answer (and the table when asked);
     False when nothing fits (the error line on stderr)."""
     device, host = int(s["device"].value * GiB), int(s["host"].value * GiB)
@@ -276,27 +193,39 @@ def plan_world(
         device,
         local,
         host_memory_bytes=host,
-        costs=costs,
+        costs=run.costs,
         strategies=strategies(cfg, world, local),
+        hw=run.hw,
     )
     best = choose(opts)
     print(p.table())
     print()
-    print(format_assumptions(cfg, world, s, costs, note))
+    print(format_assumptions(cfg, world, s, run.hw, run.note))
     print()
     if best is not None:
         print(format_answer(best, opts, p))
-    if table:
+        print(format_why(best, opts, run.hw))
+        print(answer_goodput(cfg, best, run))
+    if run.table:
         print()
         rows = best_per_levers(([best] if best else []) + opts)  # the answer's row first
-        print(format_options(opts, rows, costs))
+        print(format_options(opts, rows, run.hw))
     print()
     if long_sequences(cfg):
-        found = context_lines(cfg, world, device, local, host, costs, best)
+        found = context_lines(cfg, world, device, local, host, run.costs, best)
         best = best or found
     if best is None:
         print(format_nothing_fits(opts), file=sys.stderr)
     return best is not None
+
+
+def answer_goodput(cfg: JobConfig, best, run: Run) -> str:
+    """The goodput lines of the answer: with in-memory snapshots as it runs them (on GPU
+    workers unless train.snapshot_every=0 or the answer turns them off)."""
+    t = best.time
+    rows = goodput_table(best.step_s, t.world_size, t.state_bytes, run.hw, run.recovery)
+    snapshots = cfg.train.snapshots_on(True) and not best.snapshots_off
+    return format_goodput(rows, t, run.recovery, chosen=0 if snapshots else 2)
 
 
 LONG_SEQUENCE = 32768
@@ -371,11 +300,18 @@ def main(argv: list[str]) -> int:
         return 2
     s = settings(own, cfg)
     costs = dataclasses.replace(RATES, **{k: v for k, v in own.items() if hasattr(RATES, k)})
-    note = batch_note(cfg, overrides)
+    try:
+        hw = cluster_hardware(own, s, costs)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rate = own.get("failures_per_gpu_hour")
+    recovery = Recovery(failures_per_gpu_hour=rate) if rate else Recovery()
+    run = Run(costs, hw, recovery, batch_note(cfg, overrides), table)
     ok = True
     for world in sorted(set(cfg.cluster.world_sizes)):
         try:
-            ok = plan_world(cfg, world, s, costs, note, table) and ok
+            ok = plan_world(cfg, world, s, run) and ok
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -15,7 +15,8 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 
 from cluster.config import ClusterConfig, JobConfig
-from cluster.plan import batch_note, compose_job, main, node_shape, settings
+from cluster.plan import batch_note, compose_job, main, settings
+from cluster.plan_assumptions import node_shape
 from trainer.config import TrainConfig, model_config
 from trainer.plan import CHOICE_RULE, choose, closest, options, strategies
 from trainer.plan.choose import TIE_FRACTION, best_per_levers
@@ -71,7 +72,10 @@ def test_the_answer_is_the_fastest_predicted_step_that_fits_whatever_model_predi
     cfg = compose_job(EIGHT_B_ON_8)
     opts = options(cfg, 8, 80 * GiB, strategies=strategies(cfg, 8, 8))
     best = choose(opts)
-    assert best.step_s == min(o.step_s for o in opts if o.fits)
+    # issue 39: the step-time model's fastest is bf16 state (a smaller optimizer step) within
+    # the tie, so the answer keeps fp32 state; 1 x 128 tokens a worker: the network decides
+    fastest = min(o.step_s for o in opts if o.fits)
+    assert fastest <= best.step_s <= fastest * (1 + TIE_FRACTION)
     assert best.plan.strategy == "SHARD_GRAD_OP" and best.levers == ()  # 2x params sent, not 3x
     # another step-time model hands its own times (here each candidate half the one before):
     # the same rule picks its fastest that fits
@@ -84,9 +88,9 @@ def test_the_answer_is_the_fastest_predicted_step_that_fits_whatever_model_predi
 
 
 def test_steps_within_the_tie_fraction_tie_and_the_milder_levers_win():
-    """8b with fp32 parameters, 8 x 4096 tokens a worker: SHARD_GRAD_OP fits only with bf16
-    moments and master, predicted ~4% faster than FULL_SHARD with no lever: within the
-    estimate's error, so the answer keeps fp32 state (and the larger margin)."""
+    """8b with fp32 parameters, 8 x 4096 tokens a worker: bf16 moments and master make the
+    optimizer step a little faster (issue 39's step-time model: ~0.1%), within the model's
+    error, so the answer keeps fp32 state (and the larger margin)."""
     cfg = compose_job(EIGHT_B_ON_8 + ["train.global_batch_size=64", "data.seq_len=4096"])
     opts = options(cfg, 8, 80 * GiB, strategies=strategies(cfg, 8, 8))
     fastest, best = opts[0], choose(opts)
@@ -103,7 +107,9 @@ def test_the_assumptions_come_before_the_answer_with_their_sources(capsys):
     assert "device memory  80.00 GiB a worker (the default; device_memory_gb sets it)" in block
     assert "host memory    1024.00 GiB a node (the default" in block  # stated, not silent
     assert "host_memory_gb sets it" in block
-    assert "400 TFLOP/s" in block and "PCIe 25 GB/s" in block  # the rates of the estimate
+    # the hardware the step times are priced on (issue 39: trainer/plan/hardware.py)
+    assert "8 x h100 a node at 396 TFLOP/s (989 peak x 40%)" in block and "PCIe 25 GB/s" in block
+    assert "nvlink-4 360 GB/s inside a node, ib-ndr-400 45 GB/s a GPU between nodes" in block
 
 
 def test_the_tiny_default_micro_batch_is_named_for_an_8b_model_with_the_keys_to_set(capsys):
@@ -232,3 +238,20 @@ def test_a_job_that_does_not_fit_as_configured_exits_0_with_the_answer_that_does
     assert code == 0 and not err
     levers = ("optim.state_dtype=", "sharding.master_dtype=", "sharding.offload=")
     assert any(lever in line for lever in levers)  # a memory lever makes it fit
+
+
+# ----------------------------------------------------------------------------- hardware, --gpus
+
+
+def test_gpus_plans_a_cluster_of_that_size_on_the_gpu_kind_given(capsys):
+    batch = "train.global_batch_size=64"  # every rank a sequence
+    code, out, err = run(capsys, ["model=tiny", batch, "--gpus", "64", "gpu=h200"])
+    assert code == 0 and not err
+    assert "on 64 workers" in out
+    assert "141.00 GiB a worker (gpu=h200)" in out  # the kind's memory, and said so
+    assert "8 x h200 a node" in out
+    assert "on 16 workers" in run(capsys, ["model=tiny", batch, "gpus=16"])[1]
+    code, _, err = run(capsys, ["model=tiny", "gpu=tpu"])
+    assert code == 2 and "gpu='tpu'" in err and "h100" in err  # the valid kinds named
+    code, _, err = run(capsys, ["model=tiny", "network=pigeon"])
+    assert code == 2 and "network='pigeon'" in err and "ib-ndr-400" in err

@@ -1,38 +1,33 @@
-"""The planner chooses: every combination of the memory levers, what each costs a step, and the
-one answer: the fastest predicted step among the configurations that fit the device and the host.
+"""The planner chooses: every mesh and combination of the memory levers, what each step takes,
+and the one answer: the best predicted tokens/s per GPU (the fastest step) among the
+configurations that fit the device and the host.
 
     from trainer.plan.choose import options, choose
-    opts = options(cfg, world_size=8, device_memory_bytes=80 * 2**30, strategies=...)
+    opts = options(cfg, world_size=1024, device_memory_bytes=80 * 2**30, strategies=...)
     best = choose(opts)  # or choose(opts, step_times) with another model's seconds per step
-    best.overrides       # ('sharding.strategy=SHARD_GRAD_OP', 'optim.state_dtype=bfloat16', ...)
-    best.step_s          # seconds per step: compute + recompute + PCIe + host step + network
+    best.overrides       # ('sharding.strategy=FULL_SHARD', 'sharding.activation_...', ...)
+    best.step_s, best.time.tokens_per_s_per_gpu   # steptime.py's prediction
 
-    python -m cluster.plan model=70b cluster.num_workers=8 device_memory_gb=80   # the answer
+    python -m cluster.plan model=70b cluster.num_workers=1024 device_memory_gb=80   # the answer
     check_fits(cfg, 8, 80 * 2**30, host_memory_bytes=2**40)  # before workers: or ConfigError
 
-The candidates: the sharding strategy (as configured, or every one that differs at this world
-size: `strategies`), activation checkpointing off/on, train.micro_batches (the configured count
-and every power of two up to the worker's sequences; with more than one, sharded gradient
+The candidates: the mesh (the sharding strategy as configured, or every one that differs at
+this world size: `strategies`; HYBRID_SHARD with every shard group of a node x 2^k that divides
+the world, hybrid_groups), activation checkpointing off/on, train.micro_batches (the configured
+count and every power of two up to the worker's sequences; with more than one, sharded gradient
 accumulation off/on), optim.state_dtype, sharding.master_dtype, sharding.offload none |
 optimizer | params, and in-memory snapshots as configured or off (train.snapshot_every=0: a host
-memory lever). The dtypes of compute and reduction stay as configured.
+memory lever). The dtypes of compute and reduction stay as configured. The memory planner
+(planner.py) is the judge of what fits.
 
-What a candidate costs is an estimate of its step time (levers.py states each rate):
-  compute    flops_per_token x the worker's tokens / compute_tflops (the same for every candidate,
-             printed so the overheads read as a fraction of it)
-  recompute  with activation checkpointing, each block's forward again: 2 x block parameters +
-             the attention's 4 x dim x seq_len FLOPs per token (the PaLM convention, a third of
-             trainer/model.flops_per_token's per block) / compute_tflops
-  PCIe       the offload's bytes over the worker's link per step / pcie_gbs (not overlapped)
-  host step  the offloaded AdamW's host memory traffic / the node's host_bandwidth_gbs shared by
-             its workers
-  network    the bytes the worker sends per step (traffic.py) / network_gbs: more micro-batches
-             gather more often, sharded accumulation reduces every micro-batch
-None is taken as overlapped with compute, so the sum is an upper bound. The choice is one
+What a candidate's step takes is steptime.py's model on a Hardware (hardware.py; default: nodes of
+H100s with NVLink and 400 Gb/s InfiniBand a GPU): compute at the device's rate, the recomputation
+of activation checkpointing, each collective on its links and what of it compute hides, the
+optimizer step, offload traffic over PCIe and the host's optimizer step. The choice is one
 function, `choose`, given the candidates and their predicted step times (CHOICE_RULE): the
 fastest that fits, with those within TIE_FRACTION of it tied and settled by the mildest levers
-(LEVER_WEIGHT), fewer micro-batches, the faster, the least device memory. Another step-time
-model replaces `price`, or hands its own times to `choose`, and the rule stays.
+(LEVER_WEIGHT), fewer micro-batches, the faster, the least device memory. Another step-time model
+hands its own times to `choose`, and the rule stays.
 """
 
 from __future__ import annotations
@@ -45,11 +40,13 @@ from typing import Optional
 from trainer.config import STATE_DTYPES, ConfigError, ShardingStrategy, TrainerConfig
 from trainer.data import rank_range
 from trainer.fsdp.config import Offload
-from trainer.model import count_params, flops_per_token
+from trainer.fsdp.mesh import mesh_shape
 
+from .hardware import Hardware, hardware
 from .levers import DEFAULT_HOST_MEMORY_GB, Costs, GiB
-from .planner import MemoryPlan, context_tokens, plan, recommend
+from .planner import MemoryPlan, plan, recommend
 from .report import format_recommendation, usable_memory
+from .steptime import StepTime, step_time
 
 MASTER_DTYPES = ("float32", "bfloat16")  # sharding.master_dtype's valid values
 OFFLOAD_LEVELS = tuple(level.value for level in Offload)
@@ -69,39 +66,61 @@ device's levers; the weights keep the rule's answer sensible under a step-time m
 does not price them."""
 
 TIE_FRACTION = 0.05
-"""Predicted steps within this fraction of the fastest count as tied: the estimate is an upper
-bound from rates that are guesses (nothing overlapped), so a few percent is within its error,
-and not worth bf16 master weights or a tighter fit."""
+"""Predicted steps within this fraction of the fastest count as tied: the model is checked to
+within 25% against published runs (benchmarks/plan_vs_published.py), so a few percent is within
+its error, and not worth bf16 master weights or a tighter fit."""
 
 CHOICE_RULE = (
-    f"the fastest predicted step that fits; steps within {TIE_FRACTION:.0%} of it tie, and ties "
-    "go to the mildest memory levers, fewer micro-batches, the faster step, the least device memory"
+    f"the best predicted tokens/s per GPU (the fastest step) that fits; steps within "
+    f"{TIE_FRACTION:.0%} of it tie, and ties go to the mildest memory levers, no activation "
+    "checkpointing, fewer micro-batches, the faster step, the least device memory"
 )
 """The one rule `choose` applies, in the words the planner prints."""
 
 
 @dataclass(frozen=True)
 class Option:
-    """One candidate configuration, its plan and its step-time estimate."""
+    """One candidate configuration, its plan and its predicted step."""
 
     plan: MemoryPlan
     snapshots_off: bool
     """The candidate turns off in-memory snapshots that the config has on."""
-    compute_s: float
-    recompute_s: float
-    pcie_s: float
-    host_step_s: float
-    network_s: float
+    time: StepTime
+    """steptime.py's prediction of its step."""
+    hybrid_group: int = 0
+    """HYBRID_SHARD's shard group (sharding.hybrid_shard_group_size); 0 for other strategies."""
+
+    @property
+    def compute_s(self) -> float:
+        """Forward, backward and the device's optimizer step."""
+        return self.time.compute_s + self.time.optimizer_s
+
+    @property
+    def recompute_s(self) -> float:
+        return self.time.recompute_s
+
+    @property
+    def pcie_s(self) -> float:
+        return self.time.pcie_s
+
+    @property
+    def host_step_s(self) -> float:
+        return self.time.host_step_s
+
+    @property
+    def network_s(self) -> float:
+        """Communication compute did not hide, and the blocking exchanges (all-to-all, K/V)."""
+        return self.time.exposed_s + self.time.exchange_s
 
     @property
     def overhead_s(self) -> float:
         """What the step spends besides its compute: recomputation, PCIe copies, the host's
-        optimizer step and the collectives (none overlapped: an upper bound)."""
+        optimizer step and the communication that did not hide."""
         return self.recompute_s + self.pcie_s + self.host_step_s + self.network_s
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.overhead_s
+        return self.time.step_s
 
     @property
     def fits(self) -> bool:
@@ -120,7 +139,10 @@ class Option:
         out.append(f"train.micro_batches={p.micro_batches}")
         if p.sharded_grad_accumulation:
             out.append("sharding.sharded_grad_accumulation=true")
-        return (f"sharding.strategy={p.strategy}",) + self.levers + tuple(out)
+        mesh = (f"sharding.strategy={p.strategy}",)
+        if self.hybrid_group:
+            mesh += (f"sharding.hybrid_shard_group_size={self.hybrid_group}",)
+        return mesh + self.levers + tuple(out)
 
     @property
     def shortfall(self) -> float:
@@ -144,10 +166,11 @@ def rank_key(o: Option, step_s: float) -> tuple:
 
 
 def _mildness(o: Option) -> tuple:
-    """The mildest levers, then fewer micro-batches (fewer, larger micro-batches run more
-    efficiently: not priced)."""
+    """The mildest levers, then no recomputation (where compute hides the communication either
+    way, checkpointing only spends FLOPs), then fewer micro-batches (fewer, larger micro-batches
+    run more efficiently: not priced)."""
     weight = sum(LEVER_WEIGHT.get(lever, 0) for lever in o.levers)
-    return (weight, o.plan.micro_batches)
+    return (weight, o.plan.activation_checkpointing, o.plan.micro_batches)
 
 
 def choose(candidates: list[Option], step_times: Optional[list[float]] = None) -> Optional[Option]:
@@ -187,13 +210,16 @@ def options(
     host_memory_bytes: Optional[int] = int(DEFAULT_HOST_MEMORY_GB * GiB),
     costs: Costs = Costs(),
     strategies: Optional[list[ShardingStrategy]] = None,
+    hw: Optional[Hardware] = None,
 ) -> list[Option]:
-    """Every candidate (module docstring): those that fit device and host first, in the order of
-    CHOICE_RULE (the first is `choose`'s answer); then those that do not, nearest to fitting
+    """Every candidate (module docstring): those that fit device and host first, the fastest
+    predicted step first (equal ones by CHOICE_RULE); then those that do not, nearest to fitting
     first. strategies: the sharding strategies to try (None: the configured one;
-    planner.strategies: every one that differs at this world size)."""
+    planner.strategies: every one that differs at this world size; HYBRID_SHARD with every
+    shard group of hybrid_groups). hw: what the steps run on (None: default_hardware)."""
+    hw = hw or default_hardware(local_world_size, costs)
     out = []
-    for cand, snapshots_off in _candidates(cfg, world_size, headroom, strategies):
+    for cand, snapshots_off in _candidates(cfg, world_size, local_world_size, headroom, strategies):
         p = plan(
             cand,
             world_size,
@@ -202,7 +228,7 @@ def options(
             headroom=headroom,
             host_memory_bytes=host_memory_bytes,
         )
-        out.append(price(p, cand, snapshots_off, costs))
+        out.append(price(p, cand, snapshots_off, hw))
     fitting = sorted((o for o in out if o.fits), key=lambda o: rank_key(o, o.step_s))
     rest = sorted((o for o in out if not o.fits), key=_nearness)
     return fitting + rest
@@ -231,24 +257,47 @@ def best_per_levers(opts: list[Option]) -> list[Option]:
     return list(seen.values())
 
 
-def price(p: MemoryPlan, cfg: TrainerConfig, snapshots_off: bool, costs: Costs) -> Option:
-    """The step-time estimate of a plan (module docstring)."""
-    model, seq = cfg.model, cfg.data.seq_len
-    cp = cfg.train.context_parallel  # a context group's workers split each sequence's tokens
-    lo, hi = rank_range(cfg.train.global_batch_size, p.world_size // cp, 0)
-    tokens = max(1, hi - lo) * context_tokens(seq, cp)
-    flops = costs.compute_tflops * 1e12
-    compute = flops_per_token(model, seq) * tokens / flops
-    recompute = 0.0
-    if p.activation_checkpointing:
-        embeddings = (1 if model.tie_embeddings else 2) * model.vocab_size * model.dim
-        block = (count_params(model) - embeddings - model.dim) / model.n_layers
-        attention = 4 * model.n_heads * model.head_size * seq
-        recompute = model.n_layers * (2 * block + attention) * tokens / flops
-    pcie = p.pcie_bytes / (costs.pcie_gbs * 1e9)
-    host_bw = costs.host_bandwidth_gbs * 1e9 / p.workers_per_node
-    network = p.total_bytes_moved / (costs.network_gbs * 1e9)
-    return Option(p, snapshots_off, compute, recompute, pcie, p.host_step_bytes / host_bw, network)
+def default_hardware(local_world_size: int, costs: Costs = Costs()) -> Hardware:
+    """Nodes of `local_world_size` H100s, NVLink inside, 400 Gb/s InfiniBand a GPU between
+    (hardware.py), with the PCIe and host rates of `costs`."""
+    return hardware(
+        "h100",
+        local_world_size,
+        pcie_gbs=costs.pcie_gbs,
+        host_bandwidth_gbs=costs.host_bandwidth_gbs,
+    )
+
+
+def price(p: MemoryPlan, cfg: TrainerConfig, snapshots_off: bool, hw: Hardware) -> Option:
+    """A plan with its predicted step (steptime.py) on `hw`."""
+    hybrid = p.strategy == "HYBRID_SHARD"
+    group = (cfg.sharding.hybrid_shard_group_size or hw.gpus_per_node) if hybrid else 0
+    return Option(p, snapshots_off, step_time(cfg, p.world_size, hw), group)
+
+
+def hybrid_groups(cfg: TrainerConfig, world_size: int, local_world_size: int) -> list[int]:
+    """HYBRID_SHARD's shard groups worth trying: a node, and a node x 2, 4, ... while the group
+    divides the world and leaves more than one replica (a group of all ranks is FULL_SHARD),
+    each one the mesh can cut the context and expert axes from."""
+    out, g = [], max(1, local_world_size)
+    while g < world_size:
+        if world_size % g == 0:
+            sharding = dataclasses.replace(
+                cfg.sharding, strategy=ShardingStrategy.HYBRID_SHARD, hybrid_shard_group_size=g
+            )
+            try:
+                mesh_shape(
+                    sharding,
+                    world_size,
+                    local_world_size,
+                    cfg.model.moe_experts,
+                    cfg.train.context_parallel,
+                )
+                out.append(g)
+            except ConfigError:
+                pass
+        g *= 2
+    return out
 
 
 def micro_batch_choices(cfg: TrainerConfig, world_size: int) -> list[int]:
@@ -263,14 +312,26 @@ def micro_batch_choices(cfg: TrainerConfig, world_size: int) -> list[int]:
     return sorted(out)
 
 
+def _meshes(cfg: TrainerConfig, world_size: int, local_world_size: int, strategies):
+    """(strategy, HYBRID_SHARD's shard group or 0 for the configured one) of each mesh to try."""
+    configured = cfg.sharding.hybrid_shard_group_size
+    for strategy in strategies or [cfg.sharding.strategy]:
+        if ShardingStrategy(strategy) is not ShardingStrategy.HYBRID_SHARD or not strategies:
+            yield strategy, configured
+            continue
+        for group in hybrid_groups(cfg, world_size, local_world_size) or [configured]:
+            yield strategy, group
+
+
 def _candidates(
     cfg: TrainerConfig,
     world_size: int,
+    local_world_size: int,
     gpu_workers: bool,
     strategies: Optional[list[ShardingStrategy]],
 ):
     snapshots = (False, True) if cfg.train.snapshots_on(gpu_workers) else (False,)
-    for strategy in strategies or [cfg.sharding.strategy]:
+    for strategy, group in _meshes(cfg, world_size, local_world_size, strategies):
         for micro in micro_batch_choices(cfg, world_size):
             accumulations = (False, True) if micro > 1 else (False,)
             for ac, acc, state, master, offload, snap_off in itertools.product(
@@ -279,6 +340,7 @@ def _candidates(
                 sharding = dataclasses.replace(
                     cfg.sharding,
                     strategy=strategy,
+                    hybrid_shard_group_size=group,
                     activation_checkpointing=ac,
                     sharded_grad_accumulation=acc,
                     master_dtype=master,

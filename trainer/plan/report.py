@@ -14,7 +14,7 @@ from .levers import BYTES
 
 if TYPE_CHECKING:
     from .choose import Option
-    from .levers import Costs
+    from .hardware import Hardware
     from .planner import MemoryPlan
 
 GiB, MiB = 2**30, 2**20
@@ -247,7 +247,7 @@ def _verdict(p: "MemoryPlan") -> str:
     return f"DOES NOT FIT (short by {mem(p.total - p.usable)})"
 
 
-def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -> str:
+def format_options(opts: list["Option"], rows: list["Option"], hw: "Hardware") -> str:
     """The table: a row per option of `rows` (choose.best_per_levers: one per combination of the
     device's memory levers; cluster/plan.py puts the answer first) with its strategy, device and
     host memory per worker, the bytes over PCIe and the step-time estimate. `opts` is
@@ -258,9 +258,8 @@ def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -
     lines = [
         f"Memory levers on {first.world_size} workers of {mem(first.device_memory_bytes)}"
         f"{host} per node of {first.workers_per_node} workers (micro-batches of "
-        f"{first.seq_len} tokens); step time at {costs.compute_tflops:g} TFLOP/s, PCIe "
-        f"{costs.pcie_gbs:g} GB/s, network {costs.network_gbs:g} GB/s, host memory "
-        f"{costs.host_bandwidth_gbs:g} GB/s per node, nothing overlapped:",
+        f"{first.seq_len} tokens); step time on {hw.describe()}, PCIe {hw.pcie_gbs:g} GB/s, "
+        f"host memory {hw.host_bandwidth_gbs:g} GB/s per node:",
         "",
         f"  {'levers':<58} {'strategy':<13} {'ckpt':>4} {'micro':>5} {'device':>15} "
         f"{'host/worker':>11} {'host/node':>10} {'PCIe/step':>9} {'step':>9}  verdict",
@@ -270,7 +269,7 @@ def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -
         micro = f"{p.micro_batches}{'s' if p.sharded_grad_accumulation else ''}"
         device = f"{_fig(p.total / unit)}+{_fig(p.headroom.total / unit)}"
         lines.append(
-            f"  {_lever_names(o):<58} {p.strategy:<13} "
+            f"  {_lever_names(o):<58} {_mesh(o):<13} "
             f"{'on' if p.activation_checkpointing else 'off':>4} {micro:>5} {device:>15} "
             f"{_fig(p.host_per_worker / GiB):>11} {_fig(p.host_per_node / GiB):>10} "
             f"{p.pcie_bytes / 1e9:>8.1f}G {duration(o.step_s):>9}  {_fit_word(o)}"
@@ -286,6 +285,11 @@ def format_options(opts: list["Option"], rows: list["Option"], costs: "Costs") -
         f"  no snapshots only where the host needs it; {n_fit} of {len(opts)} configurations fit.",
     ]
     return "\n".join(lines)
+
+
+def _mesh(o: "Option") -> str:
+    """The strategy, HYBRID_SHARD with its shard group: HYBRID/32."""
+    return f"HYBRID/{o.hybrid_group}" if o.hybrid_group else o.plan.strategy
 
 
 def _lever_names(o: "Option") -> str:
