@@ -5,6 +5,7 @@
     python -m benchmarks.engine --param-dtype bfloat16   # bf16 compute (DDP stays fp32, labelled)
     python -m benchmarks.engine --models tiny --steps 1 --reps 1 --warmup 0 --profile-steps 1
     python -m benchmarks.engine --compile                # eager and compiled, and the limit
+    python -m benchmarks.engine --world 4 --contestants full_shard,hybrid_shard   # the model check
 
 Models (`--models`, default both; a preset of trainer/config.py also works, with tiny's run):
 - tiny: `model_config("tiny")`, 3,541,248 parameters (dim 256, 4 layers, vocab 256); per rank
@@ -80,6 +81,15 @@ formulas (FSDP2 pads each parameter's dim 0 to the world size; the embedding and
 gathered in forward and again in backward, (norm, output) once) and are labelled "computed". The
 gradient-norm all-reduce (4 bytes) is not counted for anyone.
 
+The step-time model beside each of ours (`pred ms`, and a block of lines under the table): before
+the contestants, every rank measures this machine at once (benchmarks/machine.py: the plain
+model's forward + backward as FLOP/s, the engine's gloo all-gather and reduce-scatter as latency
+and bandwidth, the fused AdamW step as bytes a second), and trainer/plan/steptime.py predicts
+each of our contestants' step from them and the engine's layout, collectives added to compute
+(gloo's threads use the compute's cores). Goal: within 25% of the measured median (issue 39).
+`hybrid_shard` (by --contestants only) is ours HYBRID_SHARD with shard groups of half the ranks
+(at --world 4: two groups of 2, the shards all-reduced across the 2 replicas).
+
 Goals, per model, ours FULL_SHARD against FSDP2: paired step-time ratio <= 0.9, exposed
 communication (wait + launch) no larger, torch-allocator peak memory no larger. The last line of
 output is one JSON object with the headline figures of every model.
@@ -106,7 +116,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
@@ -114,10 +124,12 @@ import torch.distributed as dist
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.machine import Machine, measure
 from benchmarks.peers import adamw, ddp, fsdp2
 from benchmarks.ranks import run_ranks
 from trainer.build import build as build_engine
 from trainer.config import (
+    DataConfig,
     DType,
     ModelConfig,
     OptimConfig,
@@ -128,6 +140,7 @@ from trainer.config import (
 )
 from trainer.fsdp import FSDPModel, build_mesh
 from trainer.model import build_model, count_params, initializer
+from trainer.plan.steptime import step_time
 from trainer.speed import compile_blocks
 from trainer.step import TorchPeer
 from trainer.step import train_step as train_step_recipe
@@ -135,8 +148,14 @@ from trainer.step import train_step as train_step_recipe
 SEED = 1234
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 DEVICE = torch.device("cpu")
-OURS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD"}
+OURS = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "no_shard": "NO_SHARD",
+    "hybrid_shard": "HYBRID_SHARD",
+}
 ORDER = ("full_shard", "fsdp2", "ddp", "shard_grad_op", "no_shard")
+HYBRID = "hybrid_shard"  # by --contestants only: shard groups of world // 2 (1 at world 2)
 REFS = ("fsdp2", "ddp")
 COMPILED = "_compiled"  # a contestant's name + this: its blocks compiled (trainer.speed)
 COMPUTE = "compute_only"  # the same model, batch and optimizer in one process, no collectives
@@ -149,9 +168,10 @@ COMPILE_ORDER = (
     "compute_only_compiled",
 )
 """--compile's contestants: ours, FSDP2 and the compute-only limit, each eager and compiled."""
-VALID = ORDER + tuple(n for n in COMPILE_ORDER if n not in ORDER)
+VALID = ORDER + tuple(n for n in COMPILE_ORDER if n not in ORDER) + (HYBRID,)
 GOAL_STEP_RATIO = 0.9  # ours FULL_SHARD / FSDP2 paired step time must not exceed this
 GOAL_LIMIT_RATIO = 1.15  # ours FULL_SHARD / compute-only paired step time must not exceed this
+GOAL_PREDICTED = 0.25  # the step-time model's prediction of ours within this of the measured
 COMPILE_PAIRS = (  # (contestant, reference) ratios of --compile, after those of OURS x REFS
     ("full_shard_compiled", "full_shard"),
     ("fsdp2_compiled", "fsdp2"),
@@ -276,16 +296,26 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
     return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
 
 
-def build_ours(name: str, run: Run, rank: int, compiled: bool = False) -> Contestant:
-    """Ours as the loop builds it (trainer/build.py), with the same AdamW as the others."""
-    job = TrainerConfig(
+def ours_job(name: str, run: Run, compiled: bool = False) -> TrainerConfig:
+    """Our contestant `name` as a job: what it is built from, and what the step-time model
+    predicts (HYBRID_SHARD: shard groups of half the ranks)."""
+    return TrainerConfig(
         model=run.cfg,
         sharding=ShardingConfig(
-            strategy=OURS[name], param_dtype=run.param_dtype, reduce_dtype="float32"
+            strategy=OURS[name],
+            param_dtype=run.param_dtype,
+            reduce_dtype="float32",
+            hybrid_shard_group_size=max(1, run.world // 2) if name == HYBRID else 0,
         ),
         optim=OptimConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD),
-        train=TrainConfig(compile=compiled),
+        train=TrainConfig(compile=compiled, global_batch_size=run.world * run.model.batch),
+        data=DataConfig(seq_len=run.model.seq),
     )
+
+
+def build_ours(name: str, run: Run, rank: int, compiled: bool = False) -> Contestant:
+    """Ours as the loop builds it (trainer/build.py), with the same AdamW as the others."""
+    job = ours_job(name, run, compiled)
     job.sharding.validate()
     mesh = build_mesh(job.sharding, rank, run.world, local_world_size=run.world)
     built = build_engine(job, mesh, DEVICE, initializer(SEED), compile_backend=run.backend)
@@ -666,6 +696,7 @@ def summarise(c: Contestant, mem: dict, global_tokens: int) -> dict:
 
 def rank_main(rank: int, run: Run) -> Optional[dict]:
     names = [n for n in VALID if n in run.model.contestants]
+    machine = measure(run.cfg, run.model.batch, run.model.seq, run.param_dtype)
     contestants = [build(n, run, rank) for n in names]
     data = batches(run, rank, run.n_steps())
     run_reps(contestants, data, run)
@@ -677,6 +708,8 @@ def rank_main(rank: int, run: Run) -> Optional[dict]:
     m = run.model
     return dict(
         contestants=[summarise(c, mem, run.global_tokens) for c, mem in zip(contestants, mems)],
+        predicted_ms={n: predicted_ms(n, run, machine) for n in names if n in OURS},
+        machine=machine,
         name=run.name,
         cfg=run.cfg,
         world=run.world,
@@ -709,12 +742,18 @@ def spawn(run: Run) -> dict:
         raise RuntimeError(f"model {run.name}: {e}") from None
 
 
+def predicted_ms(name: str, run: Run, machine: Machine) -> float:
+    """The step-time model's step for our contestant on this machine as measured."""
+    return step_time(ours_job(name, run), run.world, machine.hardware(run.world)).step_s * 1e3
+
+
 # ----------------------------------------------------------------------------- report
 
 LABELS = {
     "full_shard": "ours FULL_SHARD",
     "shard_grad_op": "ours SHARD_GRAD_OP",
     "no_shard": "ours NO_SHARD",
+    "hybrid_shard": "ours HYBRID_SHARD",
     "fsdp2": "torch FSDP2",
     "ddp": "torch DDP",
     "full_shard_compiled": "ours FULL_SHARD comp",
@@ -765,17 +804,32 @@ def pairs(by: dict) -> Iterator[tuple[str, str]]:
 
 def time_table(res: dict) -> list[str]:
     head = (
-        f"{'contestant':20} {'median ms':>9} {'min ms':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} "
-        f"{'tok/s':>7} {'exposed':>8} {'wait':>7} {'launch':>7} {'1st s':>6}"
+        f"{'contestant':20} {'median ms':>9} {'pred ms':>8} {'min ms':>8} {'fwd':>7} {'bwd':>7} "
+        f"{'opt':>7} {'tok/s':>7} {'exposed':>8} {'wait':>7} {'launch':>7} {'1st s':>6}"
     )
     lines = [head, "-" * len(head)]
     for c in res["contestants"]:
+        pred = res["predicted_ms"].get(c["name"])
         lines.append(
-            f"{LABELS[c['name']]:20} {c['ms']:9.1f} {c['min_ms']:8.1f} {c['fwd_ms']:7.1f} "
-            f"{c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:7.0f} "
+            f"{LABELS[c['name']]:20} {c['ms']:9.1f} {num(pred, '8.1f')} {c['min_ms']:8.1f} "
+            f"{c['fwd_ms']:7.1f} {c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:7.0f} "
             f"{num(c['exposed_ms'], '8.1f')} {num(c['wait_ms'], '7.1f')} "
             f"{num(c['launch_ms'], '7.1f')} {c['first_step_ms'] / 1e3:6.2f}"
             + (f"  [{c['note']}]" if c["note"] else "")
+        )
+    return lines
+
+
+def prediction_lines(res: dict) -> list[str]:
+    """The step-time model against the measured steps of ours (goal: within GOAL_PREDICTED)."""
+    by = {c["name"]: c for c in res["contestants"]}
+    lines = [f"step-time model ({res['machine'].describe()}):"]
+    for name, pred in res["predicted_ms"].items():
+        ratio = pred / by[name]["ms"]
+        met = "within" if abs(ratio - 1) <= GOAL_PREDICTED else "NOT within"
+        lines.append(
+            f"  {LABELS[name]:20} predicted {pred:7.1f} ms, measured {by[name]['ms']:7.1f} ms: "
+            f"{ratio:.3f}x, {met} {GOAL_PREDICTED:.0%}"
         )
     return lines
 
@@ -863,7 +917,8 @@ def describe(res: dict) -> str:
 
 
 def table(res: dict, head: dict) -> str:
-    lines = [describe(res), *time_table(res), "", *memory_table(res), "", *ratio_table(res)]
+    lines = [describe(res), *time_table(res), "", *prediction_lines(res), ""]
+    lines += [*memory_table(res), "", *ratio_table(res)]
     return "\n".join([*lines, "", goals_line(head)])
 
 
@@ -918,6 +973,10 @@ def model_headline(res: dict) -> dict:
         out[f"{name}_comm_ops"] = c["comm_ops"]
         out[f"{name}_peak_bytes"] = c["torch_peak_bytes"]
         out[f"{name}_comm_bytes"] = c["comm_bytes"]
+    for name, pred in res["predicted_ms"].items():  # the step-time model, this machine measured
+        out[f"{name}_predicted_ms"] = rnd(pred, 2)
+        out[f"{name}_predicted_vs_measured"] = rnd(pred / by[name]["ms"])
+    out["machine"] = asdict(res["machine"])
     for name in OURS:
         if name in by:  # the engine's wait in the profiled steps: how much the profiler adds
             out[f"{name}_exposed_wait_profiled_ms"] = rnd(by[name]["wait_profiled_ms"], 2)
