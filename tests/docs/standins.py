@@ -3,6 +3,8 @@ names one (and only if the docs' own earlier commands did not make it):
 
     models/Qwen2.5-0.5B-Instruct, models/Qwen2.5-7B-Instruct   (the docs' /models/...)
         a tiny Qwen2 and a Qwen2.5 chat tokenizer, both saved by transformers itself
+    models/Qwen2-VL-2B-Instruct   a tiny random Qwen2-VL folder with its tokenizer, template and
+                              preprocessor_config.json (tests/cluster/vision_task.py)
     sft.jsonl                 chat records ({"messages": [...]}) for data=chat
     docs/                     "your documents": a few small JSONL files
     path/to/texts/            (the docs' /path/to/texts) a few small text files
@@ -25,6 +27,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tests.cluster.vision_task import write_vlm_folder
 from tests.data.chat_templates import CONVERSATIONS, save_with_transformers
 from tests.hf.tiny import hf_model
 from trainer.data import train_tokenizer
@@ -46,6 +49,11 @@ def chat_model(path: Path, _run) -> None:
     chat_template.jinja), as a published model folder has them."""
     hf_model("qwen2_untied", vocab_size=CHAT_MODEL_VOCAB).save_pretrained(path)
     save_with_transformers(path, "qwen2.5")
+
+
+def vision_model(path: Path, _run) -> None:
+    """A tiny random Qwen2-VL folder, as a published one holds it."""
+    write_vlm_folder(path)
 
 
 def chat_records(path: Path, _run) -> None:
@@ -95,6 +103,7 @@ def imported_checkpoints(path: Path, run: Callable[[list[str]], None]) -> None:
 STAND_INS: dict[str, Callable] = {
     "models/Qwen2.5-0.5B-Instruct": chat_model,
     "models/Qwen2.5-7B-Instruct": chat_model,
+    "models/Qwen2-VL-2B-Instruct": vision_model,
     "sft.jsonl": chat_records,
     "docs": jsonl_documents,
     "path/to/texts": text_files,
