@@ -48,6 +48,10 @@ from trainer.shell import python_m
 register_schemas()
 
 
+REFUSED = "refused"
+"""A unit record's key for the refusal of its input (TokenizeUnits.one)."""
+
+
 class TokenizeUnits:
     """Ray Data UDF (one per actor): the tokenizer is loaded once, then each unit is processed."""
 
@@ -56,11 +60,16 @@ class TokenizeUnits:
         self.tokenizer = load_tokenizer(args["tokenizer"], args["eod_token"])
 
     def __call__(self, batch: dict) -> dict:
-        records = [
-            process_unit(WorkUnit.from_json(json.loads(u)), self.args, self.tokenizer)
-            for u in batch["unit"]
-        ]
-        return {"record": [json.dumps(r) for r in records]}
+        return {"record": [json.dumps(self.one(json.loads(u))) for u in batch["unit"]]}
+
+    def one(self, unit: dict) -> dict:
+        """The unit's record, or {"refused": message} when its input is refused (a missing
+        image, say): the driver raises it as the ConfigError it is, rather than Ray's wrapped
+        task error, so the preparation's folder is removed and the user reads one line."""
+        try:
+            return process_unit(WorkUnit.from_json(unit), self.args, self.tokenizer)
+        except ConfigError as e:
+            return {REFUSED: str(e)}
 
 
 def ray_data_runner(plan: Plan, units: list[WorkUnit], log=print) -> list[dict]:
@@ -82,7 +91,15 @@ def ray_data_runner(plan: Plan, units: list[WorkUnit], log=print) -> list[dict]:
         num_cpus=1,
         compute=ray.data.ActorPoolStrategy(size=actors),
     )
-    return [json.loads(row["record"]) for row in out.take_all()]
+    return records_or_refusal([json.loads(row["record"]) for row in out.take_all()])
+
+
+def records_or_refusal(records: list[dict]) -> list[dict]:
+    """The units' records; the first refusal among them raised as the ConfigError it was."""
+    refused = [r[REFUSED] for r in records if REFUSED in r]
+    if refused:
+        raise ConfigError(refused[0])
+    return records
 
 
 def prepare_data(cfg: JobConfig, plan: Optional[Plan] = None) -> PreparedInfo:
