@@ -223,7 +223,9 @@ def answer_goodput(cfg: JobConfig, best, run: Run) -> str:
     """The goodput lines of the answer: with in-memory snapshots as it runs them (on GPU
     workers unless train.snapshot_every=0 or the answer turns them off)."""
     t = best.time
-    rows = goodput_table(best.step_s, t.world_size, t.state_bytes, run.hw, run.recovery)
+    rows = goodput_table(
+        best.step_s, t.world_size, t.state_bytes, run.hw, run.recovery, best.plan.replicate_size
+    )
     snapshots = cfg.train.snapshots_on(True) and not best.snapshots_off
     return format_goodput(rows, t, run.recovery, chosen=0 if snapshots else 2)
 

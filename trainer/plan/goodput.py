@@ -2,7 +2,7 @@
 each failure costs, and the in-memory snapshot and durable checkpoint intervals that maximise it.
 
     from trainer.plan.goodput import Recovery, plan_goodput
-    g = plan_goodput(step_s=6.2, world=4096, state_bytes=207e6, hw=hardware("h100"))
+    g = plan_goodput(step_s=6.2, world=4096, state_bytes=207e6, hw=hardware("h100"), replicas=1)
     g.goodput, g.snapshot_every, g.checkpoint_every     # the fraction, the intervals in steps
     g.tokens_per_day(tokens_per_step=4096 * 4096)
 
@@ -122,18 +122,22 @@ def plan_goodput(
     state_bytes: float,
     hw: Hardware,
     recovery: Recovery = Recovery(),
+    replicas: int = 1,
 ) -> Goodput:
     """The intervals that maximise goodput for a step of `step_s` on `world` GPUs each holding
-    `state_bytes` of shard state (master + moments: what a snapshot and a checkpoint copy)."""
+    `state_bytes` of shard state (master + moments: what a snapshot and a checkpoint copy), in
+    `replicas` identical copies (HYBRID_SHARD's replicas: only the first writes a checkpoint,
+    every rank reads one back)."""
     r = recovery
     rate = r.failures_per_gpu_hour * world / 3600  # failures a second
     copy = state_bytes / (hw.pcie_gbs * 1e9)  # the training thread waits for this copy
-    store = min(r.load_gbs, r.storage_gbs / world) * 1e9
+    write = min(r.load_gbs, r.storage_gbs / max(1, world // replicas)) * 1e9
+    store = min(r.load_gbs, r.storage_gbs / world) * 1e9  # every rank reads at a resume
     restart = r.detect_s + (r.restart_s if r.spares else r.restart_new_s) + r.extra_restart_s
     durable_rate = rate * (r.both_copies_lost if r.snapshots else 1.0)
     snap_rate = rate - durable_rate
     snap_floor = max(1, math.ceil(state_bytes / (hw.inter.gbs * 1e9) / step_s))
-    ckpt_floor = max(1, math.ceil(state_bytes / store / step_s))
+    ckpt_floor = max(1, math.ceil(state_bytes / write / step_s))
     ks = _best_interval(copy, snap_rate, step_s, snap_floor) if r.snapshots else 0
     kd = _best_interval(copy, durable_rate, step_s, ckpt_floor)
     wall = step_s + (copy / ks if ks else 0.0) + copy / kd
@@ -180,12 +184,18 @@ class Row:
 
 
 def goodput_table(
-    step_s: float, world: int, state_bytes: float, hw: Hardware, recovery: Recovery = Recovery()
+    step_s: float,
+    world: int,
+    state_bytes: float,
+    hw: Hardware,
+    recovery: Recovery = Recovery(),
+    replicas: int = 1,
 ) -> list[Row]:
     """Every VARIANTS row, intervals chosen for each, under the inputs and each SENSITIVITY."""
 
     def at(**kw) -> Goodput:
-        return plan_goodput(step_s, world, state_bytes, hw, dataclasses.replace(recovery, **kw))
+        again = dataclasses.replace(recovery, **kw)
+        return plan_goodput(step_s, world, state_bytes, hw, again, replicas)
 
     return [
         Row(label, at(**kw), tuple(at(**kw, **other) for _, other in SENSITIVITY))
