@@ -3,13 +3,15 @@
     python -m trainer.generate runs/sft/checkpoints/step_000001000 --chat "Summarise FSDP."
     python -m trainer.generate PATH --prompt "Once upon a time" --max-new-tokens 32
     python -m trainer.generate PATH --prompt-ids 1,2,3 --json     # {"ids": [...], "text": "..."}
+    python -m trainer.generate /models/Qwen2-VL-2B-Instruct --chat "What colour?" --image a.png
     python -m trainer.generate PATH --chat TEXT --system TEXT --temperature 0.7 --top-p 0.9 \
         --seed 0 --device cuda --dtype bfloat16 --tokenizer other/tokenizer.json
 
 Greedy unless --temperature > 0; stops at any of the model's stop ids (every eos id). Prints
 the new text (or, with --json, one line: the new ids, the stop token included when one ended
 it, and their text without it). Exit codes: 0 fine, 2 bad input (one line `error: ...` on
-stderr, no traceback).
+stderr, no traceback). --image (repeatable, with --chat, for a vision-language model): each image
+goes in the user turn as a {"type": "image"} part before the text (trainer/generate/images.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from trainer.checkpoint.format import CheckpointError
 from trainer.config import ConfigError, fail
 from trainer.generate.decode import generate_ids
+from trainer.generate.images import PromptImages, prompt_images
 from trainer.generate.text import Text, with_tokenizer
 from trainer.generate.weights import open_source
 
@@ -40,6 +43,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     given.add_argument("--chat", help="a user message, rendered with the chat template")
     given.add_argument("--prompt-ids", help="token ids, comma separated: 1,2,3")
     p.add_argument("--system", help="a system message before --chat")
+    p.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image in --chat's user turn, before its text (repeat for more; a VLM only)",
+    )
     p.add_argument("--tokenizer", help="a tokenizer.json (or its folder) instead of the model's")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
@@ -62,6 +71,8 @@ def check_args(args: argparse.Namespace) -> None:
         fail("--top-p", args.top_p, "a number in (0, 1]")
     if args.system is not None and args.chat is None:
         fail("--system", args.system, "only with --chat")
+    if args.image and args.chat is None:
+        fail("--image", args.image[0], "only with --chat (an image goes in its user turn)")
     if args.dtype != "auto" and args.dtype not in DTYPES:
         fail("--dtype", args.dtype, f"auto, {', '.join(DTYPES)}")
 
@@ -82,8 +93,15 @@ def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtyp
     return device, getattr(torch, dtype)
 
 
-def prompt_ids(args: argparse.Namespace, text: Text, vocab_size: int, max_len: int) -> list[int]:
-    """The prompt's ids: --prompt-ids as given, --prompt encoded, --chat rendered and encoded."""
+def prompt_ids(
+    args: argparse.Namespace,
+    text: Text,
+    vocab_size: int,
+    max_len: int,
+    images: Optional[PromptImages] = None,
+) -> list[int]:
+    """The prompt's ids: --prompt-ids as given, --prompt encoded, --chat rendered and encoded
+    (with `images`: their parts before the text, each placeholder expanded)."""
     if args.prompt_ids is not None:
         key, value = "--prompt-ids", args.prompt_ids
         try:
@@ -93,7 +111,9 @@ def prompt_ids(args: argparse.Namespace, text: Text, vocab_size: int, max_len: i
     elif args.prompt is not None:
         key, value, ids = "--prompt", args.prompt, text.encode(args.prompt)
     else:
-        key, value, ids = "--chat", args.chat, text.chat_ids(args.chat, args.system)
+        key, value = "--chat", args.chat
+        ids = text.chat_ids(args.chat, args.system, images.count if images else 0)
+        ids = images.expand(ids) if images else ids
     if not ids:
         fail(key, value, "a prompt of at least one token")
     bad = [i for i in ids if not 0 <= i < vocab_size]
@@ -109,7 +129,8 @@ def run(args: argparse.Namespace) -> dict:
     device, dtype = device_and_dtype(args)
     source = open_source(args.path, log=lambda m: print(m, file=sys.stderr))
     text = source.text if args.tokenizer is None else with_tokenizer(source.text, args.tokenizer)
-    ids = prompt_ids(args, text, source.cfg.vocab_size, source.cfg.max_seq_len)
+    images = prompt_images(args.image, source, text) if args.image else None
+    ids = prompt_ids(args, text, source.cfg.vocab_size, source.cfg.max_seq_len, images)
     room = source.cfg.max_seq_len - len(ids)
     if args.max_new_tokens > room:
         print(
@@ -132,6 +153,7 @@ def run(args: argparse.Namespace) -> dict:
         temperature=args.temperature,
         top_p=args.top_p,
         generator=generator,
+        **(images.inputs if images else {}),
     )
     return {"ids": new, "text": text.decode(new)}
 

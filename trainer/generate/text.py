@@ -96,6 +96,9 @@ class Text:
     where: str = ""
     """Where the tokenizer and template were looked for (for error messages)."""
     missing: str = ""
+    tokenizer: Optional[str] = None
+    """The tokenizer.json it was read from ('byte', None): a vision-language model's
+    preprocessor_config.json is beside it (trainer/generate/images.py)."""
 
     def encode(self, text: str, key: str = "--prompt") -> list[int]:
         if self.codec is None:
@@ -113,8 +116,10 @@ class Text:
             ids = ids[:-1]
         return self.codec.decode(ids)
 
-    def chat_ids(self, user: str, system: Optional[str] = None) -> list[int]:
-        """[system,] user rendered by the chat template with the generation prompt, encoded."""
+    def chat_ids(self, user: str, system: Optional[str] = None, images: int = 0) -> list[int]:
+        """[system,] user rendered by the chat template with the generation prompt, encoded.
+        With `images`, the user turn is that many {"type": "image"} parts, then the text (the
+        Hugging Face message format; the template renders each image's placeholder)."""
         if self.template is None:
             raise ConfigError(
                 f"invalid config: --chat needs a chat template and {self.where} has none; "
@@ -122,8 +127,11 @@ class Text:
                 f"folder with one ({CHAT_TEMPLATE_JINJA}, or tokenizer_config.json's "
                 "chat_template), or --tokenizer PATH with one of those beside it"
             )
+        content = user
+        if images:
+            content = [{"type": "image"}] * images + [{"type": "text", "text": user}]
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-            {"role": "user", "content": user}
+            {"role": "user", "content": content}
         ]
         rendered = ChatTemplate(self.template, self.special, self.where).render(
             messages, add_generation_prompt=True
@@ -165,7 +173,8 @@ def text_of_info(info: dict, where: str = "the run's tokenizer") -> Text:
     stops = list(info.get("stop_ids") or [])
     if not stops and info.get("eod_id") is not None:
         stops = [int(info["eod_id"])]
-    return Text(codec, info.get("chat_template"), special, stops, f"{where} ({name})", missing)
+    where = f"{where} ({name})"
+    return Text(codec, info.get("chat_template"), special, stops, where, missing, name)
 
 
 def text_of_hf_dir(path: str) -> Text:
@@ -183,7 +192,7 @@ def text_of_hf_dir(path: str) -> Text:
         _add_ids(stops, codec.token_id(special["eos_token"]))
     found = find_template(tokenizer, config)
     where = found.origin if found else str(loc.child(TOKENIZER_CONFIG))
-    return Text(codec, found.text if found else None, special, stops, where, missing)
+    return Text(codec, found.text if found else None, special, stops, where, missing, tokenizer)
 
 
 def with_tokenizer(text: Text, path: str) -> Text:
@@ -201,15 +210,14 @@ def with_tokenizer(text: Text, path: str) -> Text:
     config = read_tokenizer_config(path)
     found = find_template(path, config)
     if config is None and found is None:
-        return Text(codec, text.template, text.special, text.stop_ids, text.where)
+        return Text(codec, text.template, text.special, text.stop_ids, text.where, tokenizer=path)
     special = special_tokens(config) if config is not None else text.special
     stops = list(text.stop_ids)
     if not stops and special.get("eos_token"):
         _add_ids(stops, codec.token_id(special["eos_token"]))
     template = found.text if found else text.template
-    return Text(
-        codec, template, special, stops, found.origin if found else beside(path, TOKENIZER_CONFIG)
-    )
+    where = found.origin if found else beside(path, TOKENIZER_CONFIG)
+    return Text(codec, template, special, stops, where, tokenizer=path)
 
 
 def _codec(name: Optional[str]) -> tuple[Optional[Codec], str]:
