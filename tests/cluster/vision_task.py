@@ -121,11 +121,11 @@ def answer(model, tokenizer, processor, path: str, question: str) -> str:
     for i in ids:
         expanded += [pad] * n if i == pad else [i]
     input_ids = torch.tensor([expanded])
-    with torch.no_grad():
+    with torch.no_grad():  # mm_token_type_ids: its processor's output, else 1-D positions
         out = model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
             pixel_values=pixels["pixel_values"], image_grid_thw=grid,
-            max_new_tokens=6, do_sample=False,
+            mm_token_type_ids=(input_ids == pad).int(), max_new_tokens=6, do_sample=False,
         )  # fmt: skip
     new = out[0, input_ids.shape[1] :].tolist()
     eos = tokenizer.convert_tokens_to_ids(EOT)
