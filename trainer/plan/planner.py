@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from trainer.config import ConfigError, ShardingStrategy, TrainerConfig
-from trainer.data import rank_range
 from trainer.fsdp.mesh import mesh_shape
 from trainer.model import count_params
 
@@ -35,6 +33,7 @@ from .layout import layout
 from .levers import HOST_BASELINE_BYTES, host_step_bytes
 from .report import format_plan
 from .timeline import Phase, StepTimeline, step_timeline
+from .tokens import context_tokens, image_patches, router_bytes, rows_per_micro_batch
 from .tower import tower_profile, with_tower
 from .traffic import all_to_all_bytes, bytes_per_step, context_bytes, pcie_per_step
 
@@ -221,31 +220,6 @@ SNAPSHOT_COPIES = 1 + 2 * 2
 worker, and 2 copies x 2 generations in the keepers (spread over the nodes, one share each)."""
 
 
-def router_bytes(model, tokens: int, param_bytes: int) -> int:
-    """What a mixture's routers keep for backward over `tokens` tokens, every sparse layer: the
-    logits (compute dtype) and the fp32 probabilities of every expert, and the top-k indices
-    (int64) and weights (fp32) of each token (trainer/model/moe.py). Without checkpointing all
-    layers' at once; with it, one block's during its recomputation."""
-    per_token = model.moe_experts * (param_bytes + 4) + model.moe_top_k * (8 + 4)
-    return tokens * per_token * len(model.sparse_layers)
-
-
-def context_tokens(seq_len: int, context: int) -> int:
-    """Tokens of each sequence one worker computes at train.context_parallel=`context`: two
-    chunks of ceil(seq_len / 2N) (the sequence padded to 2N chunks), all of them at 1."""
-    return seq_len if context <= 1 else 2 * -(-seq_len // (2 * context))
-
-
-def rows_per_micro_batch(
-    global_batch: int, world_size: int, micro_batches: int, rank: int = 0
-) -> int:
-    """Sequences in `rank`'s largest micro-batch, as trainer.data.Batcher splits a step: the rank's
-    share (rank 0 takes one more when uneven) by np.array_split; an empty split runs one
-    sequence."""
-    lo, hi = rank_range(global_batch, world_size, rank)
-    return max(1, math.ceil((hi - lo) / micro_batches))
-
-
 def plan(
     cfg: TrainerConfig,
     world_size: int,
@@ -372,15 +346,6 @@ def plan(
         device_memory_bytes=int(device_memory_bytes),
         headroom=reserved,
     )
-
-
-def image_patches(model, rows: int, seq_len: int, image_tokens: Optional[int]) -> int:
-    """Patches a worker's micro-batch of `rows` sequences sends through the tower: image_tokens
-    per sequence (None: all seq_len), merge**2 patches each; 0 without a tower."""
-    if getattr(model, "vision", None) is None:
-        return 0
-    tokens = seq_len if image_tokens is None else min(int(image_tokens), seq_len)
-    return rows * tokens * model.vision.merge_tokens
 
 
 def _tower_retained(acts) -> int:
