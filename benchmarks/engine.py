@@ -811,7 +811,7 @@ def time_table(res: dict) -> list[str]:
     for c in res["contestants"]:
         pred = res["predicted_ms"].get(c["name"])
         lines.append(
-            f"{LABELS[c['name']]:20} {c['ms']:9.1f} {num(pred, '8.1f')} {c['min_ms']:8.1f} "
+            f"{LABELS[c['name']]:20} {c['ms']:9.1f} {num(pred, '8.1f'):>8} {c['min_ms']:8.1f} "
             f"{c['fwd_ms']:7.1f} {c['bwd_ms']:7.1f} {c['opt_ms']:7.1f} {c['tokens_per_s']:7.0f} "
             f"{num(c['exposed_ms'], '8.1f')} {num(c['wait_ms'], '7.1f')} "
             f"{num(c['launch_ms'], '7.1f')} {c['first_step_ms'] / 1e3:6.2f}"

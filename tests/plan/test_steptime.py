@@ -86,6 +86,10 @@ def test_with_fast_links_the_step_is_its_compute_and_what_cannot_hide():
     assert 0 < t.exposed_s < 0.05 * t.compute_s  # latencies only
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_s + t.optimizer_s)
     assert t.tokens_per_s_per_gpu == pytest.approx(tokens * 16 / 16 / t.step_s)
+    # tied embeddings: the output projection is the root's, and still computed
+    tied = dataclasses.replace(MID, tie_embeddings=True)
+    t = step_time(job(model=tied, rows=32, seq=2048), 16, fast(H100, 1e6))
+    assert t.compute_s == pytest.approx(flops_per_token(tied, 2048) * tokens / H100.flops)
 
 
 def test_activation_checkpointing_recomputes_each_blocks_forward():

@@ -53,8 +53,6 @@ from .levers import host_step_bytes
 from .planner import context_tokens
 from .traffic import all_to_all_bytes, context_bytes, pcie_per_step
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
-
 
 @dataclass(frozen=True)
 class Collective:
@@ -171,6 +169,8 @@ def _units(lay: Layout, cfg: TrainerConfig, hw: Hardware, recompute: float) -> l
     head = 6.0 * model.vocab_size * model.dim
     block = (flops_per_token(model, seq) - head) / max(1, model.n_layers)
     per_token = {"block": block, "head": head}
+    if not any(u.kind == "head" for u in lay.units):  # tied embeddings: the root's projection
+        per_token["root"] = head
     p, r = sh.param_dtype.itemsize, sh.reduce_dtype.itemsize
     out = []
     last = len(lay.units) - 1
