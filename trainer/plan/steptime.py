@@ -50,7 +50,7 @@ from trainer.model import flops_per_token
 from .hardware import TREE_NET_LATENCY_US, Hardware
 from .layout import Layout, UnitLayout, layout
 from .levers import host_step_bytes
-from .planner import context_tokens
+from .tokens import context_tokens
 from .traffic import all_to_all_bytes, context_bytes, pcie_per_step
 
 
