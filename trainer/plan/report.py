@@ -71,6 +71,7 @@ def format_plan(p: "MemoryPlan") -> str:
         f"  micro-batch {p.rows} x {p.seq_len} tokens, {p.micro_batches} per step; "
         f"activation checkpointing {ckpt}",
         *_experts_line(p),
+        *_frozen_lines(p),
         "",
         f"  {name:<{WIDTH}} {'at peak':>10} {'step max':>10}",
     ]
@@ -120,6 +121,23 @@ def format_plan(p: "MemoryPlan") -> str:
         + (f" ({moved})" if moved else "")
     )
     return "\n".join(lines)
+
+
+def _frozen_lines(p) -> list[str]:
+    """train.freeze, and a vision tower's input (what its activations were priced at)."""
+    out = []
+    if p.frozen_params:
+        out.append(
+            f"  frozen (train.freeze): {_count(p.frozen_params)} of {_count(p.num_params)} "
+            "parameters: no gradient, no AdamW state, no reduce-scatter for them"
+        )
+    if p.image_patches:
+        out.append(
+            f"  vision tower: {p.image_patches:,} patches a micro-batch (every token an image "
+            f"token), keeping {mem(p.tower_activations)} for its backward (in the "
+            "activations' rows)"
+        )
+    return out
 
 
 def _experts_line(p) -> list[str]:

@@ -114,8 +114,10 @@ def _gathered_per_micro_batch(lay: Layout) -> list[UnitLayout]:
 
 
 def _uses_per_micro_batch(lay: Layout) -> list[UnitLayout]:
-    """The units each micro-batch gathers (or, with one rank per shard group, casts), in order."""
-    again = [u for u in lay.units[:-1] if u.reshard_after_forward]
+    """The units each micro-batch gathers (or, with one rank per shard group, casts), in order:
+    a unit whose backward never runs (a frozen tower, leading frozen blocks) is not gathered
+    again for it."""
+    again = [u for u in lay.units[:-1] if u.reshard_after_forward and u.backward]
     return [*lay.all_units, *again]
 
 
