@@ -25,10 +25,12 @@ import io
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import PIL.Image
+
+if TYPE_CHECKING:  # Pillow is imported where images are decoded: trainer.data imports this
+    import PIL.Image  # module, and the GPU check's bare machine has no Pillow
 
 from trainer import storage
 from trainer.config import ConfigError, fail
@@ -36,6 +38,8 @@ from trainer.config import ConfigError, fail
 from .template_files import beside
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
+BICUBIC = 3
+"""PIL.Image.Resampling.BICUBIC: Qwen2VLImageProcessor's default resample."""
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
@@ -69,7 +73,7 @@ class ImageProcessing:
     """Per-channel standard deviation divided by after the mean."""
     rescale_factor: float = 1 / 255
     """uint8 -> [0, 1]."""
-    resample: int = int(PIL.Image.Resampling.BICUBIC)
+    resample: int = BICUBIC
     """Pillow's resampling filter (3 = bicubic, transformers' default for Qwen2-VL)."""
     do_resize: bool = True
     """Resize to smart_resize's size (false: the image's sides must be multiples already)."""
@@ -181,6 +185,8 @@ class ImageProcessing:
 
     def decode(self, data: bytes) -> PIL.Image.Image:
         """An encoded image (any format Pillow reads), fully loaded; ImageError if it is not."""
+        import PIL.Image  # noqa: PLC0415 -- Pillow only where images are (see the imports)
+
         try:
             image = PIL.Image.open(io.BytesIO(data))
             image.load()
@@ -276,6 +282,8 @@ def smart_resize(
 
 def to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     """RGB, transparency composited onto white (transformers' convert_to_rgb)."""
+    import PIL.Image  # noqa: PLC0415 -- Pillow only where images are (see the imports)
+
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         image = image.convert("RGBA")
         background = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
