@@ -212,7 +212,7 @@ def plan_world(cfg: JobConfig, world: int, s: dict[str, Setting], run: Run) -> b
         print(format_options(opts, rows, run.hw))
     print()
     if long_sequences(cfg):
-        found = context_lines(cfg, world, device, local, host, run.costs, best)
+        found = context_lines(cfg, world, device, local, host, run, best)
         best = best or found
     if best is None:
         print(format_nothing_fits(opts), file=sys.stderr)
@@ -239,7 +239,7 @@ def long_sequences(cfg: JobConfig) -> bool:
     return cfg.data.seq_len >= LONG_SEQUENCE or cfg.train.context_parallel > 1
 
 
-def context_lines(cfg, world: int, device: int, local: int, host: int, costs, best):
+def context_lines(cfg, world: int, device: int, local: int, host: int, run: Run, best):
     """Print the context-parallel answer (when the configured degree does not fit: the smallest
     that does) and the longest sequence at the largest degree; the answer found, or None."""
     from trainer.plan import longest_sequence, smallest_context  # noqa: PLC0415
@@ -248,7 +248,9 @@ def context_lines(cfg, world: int, device: int, local: int, host: int, costs, be
     n = cfg.train.context_parallel
     found = None
     if best is None:
-        answer = smallest_context(cfg, world, device, local, host_memory_bytes=host, costs=costs)
+        answer = smallest_context(
+            cfg, world, device, local, host_memory_bytes=host, costs=run.costs, hw=run.hw
+        )
         found = answer.best
         tried = ", ".join(map(str, answer.tried))
         if found is None:

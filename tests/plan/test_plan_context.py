@@ -108,6 +108,13 @@ def test_smallest_degree_that_fits():
     assert roomy.degree == 1
     none = smallest_context(cfg, world, 1 * MiB, headroom=False, host_memory_bytes=None)
     assert none.degree == 0 and none.best is None
+    # the cluster's hardware ranks the answer (a consumer card's step is slower than an H100's)
+    from trainer.plan.hardware import hardware
+
+    kw = dict(headroom=False, host_memory_bytes=None)
+    fast = smallest_context(cfg, world, device, hw=hardware("h100"), **kw).best
+    slow = smallest_context(cfg, world, device, hw=hardware("rtx4090"), **kw).best
+    assert slow.time.step_s > 2 * fast.time.step_s
 
 
 def test_longest_sequence_fits_and_grows_with_the_degree():

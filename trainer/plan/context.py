@@ -33,6 +33,7 @@ from trainer.fsdp.mesh import context_problem, divisors
 
 from .activations import profile
 from .choose import Option, choose, options
+from .hardware import Hardware
 from .levers import DEFAULT_HOST_MEMORY_GB, Costs, GiB
 from .planner import plan, strategies
 from .timeline import activation_peak
@@ -119,9 +120,11 @@ def smallest_context(
     headroom: bool = True,
     host_memory_bytes: Optional[int] = int(DEFAULT_HOST_MEMORY_GB * GiB),
     costs: Costs = Costs(),
+    hw: Optional[Hardware] = None,
 ) -> ContextAnswer:
     """The smallest context degree (context_degrees, ascending) at which choose.options finds a
-    configuration that fits, and that configuration; degree 0 when none does."""
+    configuration that fits, and that configuration, ranked by the step time on `hw` (None:
+    default_hardware); degree 0 when none does."""
     tried = context_degrees(cfg, world_size, local_world_size)
     for d in tried:
         best = _best(
@@ -132,13 +135,14 @@ def smallest_context(
             headroom,
             host_memory_bytes,
             costs,
+            hw,
         )
         if best is not None:
             return ContextAnswer(d, best, tuple(tried))
     return ContextAnswer(0, None, tuple(tried))
 
 
-def _best(cfg, world_size, device, local, headroom, host, costs) -> Optional[Option]:
+def _best(cfg, world_size, device, local, headroom, host, costs, hw) -> Optional[Option]:
     opts = options(
         cfg,
         world_size,
@@ -148,6 +152,7 @@ def _best(cfg, world_size, device, local, headroom, host, costs) -> Optional[Opt
         host_memory_bytes=host,
         costs=costs,
         strategies=_strategies(cfg, world_size, local),
+        hw=hw,
     )
     return choose(opts)
 
