@@ -381,6 +381,12 @@ def test_a_count_that_does_not_match_the_placeholders_is_refused(tmp_path, tok):
         chat_cfg(tmp_path, tmp_path / "t.parquet", tok),
         r"t.parquet, record 0: 2 images in its 'images' column and 1 image parts",
     )
+    video = {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}
+    refused(
+        tmp_path,
+        chat_cfg(tmp_path, write_jsonl(tmp_path / "v.jsonl", [([video, row[1]], [])]), tok),
+        r"v.jsonl, record 0 \(line 1\): a video part \(videos are not supported yet",
+    )
     no_processor = write_model(tmp_path / "text-model", processor=None)
     refused(
         tmp_path,

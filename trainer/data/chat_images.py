@@ -55,6 +55,11 @@ def is_image_part(part: dict) -> bool:
     return part.get("type") == "image" or "image" in part or "image_url" in part
 
 
+def is_video_part(part: dict) -> bool:
+    """The test Qwen2-VL's chat template makes of a video part."""
+    return part.get("type") == "video" or "video" in part
+
+
 @dataclass(frozen=True)
 class Where:
     """A record, as a refusal names it."""
@@ -69,13 +74,14 @@ class Where:
 
 def image_refs(messages: list[dict], column, where: Where) -> list:
     """The images of a record's messages, in the order the template renders their parts."""
-    parts = [
-        p
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for p in m["content"]
-        if is_image_part(p)
-    ]
+    every = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
+    if any(isinstance(p, dict) and is_video_part(p) for p in every):
+        where.refuse(
+            "a video part (videos are not supported yet: the template would render a "
+            "<|video_pad|> with no frames behind it)",
+            "text and image parts",
+        )
+    parts = [p for p in every if isinstance(p, dict) and is_image_part(p)]
     column = list(column) if isinstance(column, (list, tuple)) else []
     refs, taken = [], 0
     for p in parts:
