@@ -64,11 +64,6 @@ PCIE_GBS = 25.0
 """Effective host <-> device bandwidth per GPU, GB/s (10^9): PCIe Gen4 x16 is 32 GB/s raw, ~25
 in pinned copies; Gen5 x16 doubles it. The planner's `pcie_gbs` key overrides it."""
 
-COMPUTE_TFLOPS = 400.0
-"""Achieved dense TFLOP/s per GPU for a training step (forward + backward): an H100's bf16 989
-peak at ~40% MFU; an A100 at the same MFU is ~125. Prices the step's compute and the
-recomputation of activation checkpointing. The planner's `compute_tflops` key overrides it."""
-
 HOST_BANDWIDTH_GBS = 100.0
 """Host memory bandwidth per node that the offloaded optimizer step attains, GB/s. AdamW on the
 host is memory-bound: a fused CPU AdamW touched 23.5 GB/s on the 2-core test machine against
@@ -77,13 +72,6 @@ trainer/optim.py uses on the host for fp32 state touched 4.4 GB/s there. A 2-soc
 streams a few hundred GB/s; 100 is a cautious share for the optimizer. Split evenly over the
 node's workers. The planner's `host_bandwidth_gbs` key overrides it."""
 
-NETWORK_GBS = 100.0
-"""Effective bandwidth of one worker's collectives, GB/s, against the bytes it sends per step
-(traffic.py: the ring convention). NVLink inside an H100 node gives a few hundred; 400 Gb/s
-InfiniBand per GPU across nodes ~45. Prices the extra gathers of more micro-batches and of
-sharded gradient accumulation against recomputation. The planner's `network_gbs` key overrides
-it."""
-
 DEFAULT_HOST_MEMORY_GB = 1024.0
 """Host memory per node the planner checks against when not told (an 8-GPU DGX A100 node has 1
 TiB). The planner's `host_memory_gb` key overrides it."""
@@ -91,12 +79,12 @@ TiB). The planner's `host_memory_gb` key overrides it."""
 
 @dataclass(frozen=True)
 class Costs:
-    """The bandwidths and throughput that turn bytes and FLOPs into seconds."""
+    """The host-side rates that turn offload bytes into seconds. Compute and the collectives'
+    links are the step-time model's (hardware.py: the planner's gpu, compute_tflops, intra,
+    network, intra_gbs and network_gbs keys)."""
 
     pcie_gbs: float = PCIE_GBS
-    compute_tflops: float = COMPUTE_TFLOPS
     host_bandwidth_gbs: float = HOST_BANDWIDTH_GBS
-    network_gbs: float = NETWORK_GBS
 
 
 @dataclass(frozen=True)
