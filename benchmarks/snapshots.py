@@ -161,6 +161,10 @@ def main(argv=None) -> int:
         return 2
 
     tmp = tempfile.mkdtemp(prefix="bsnap-", dir="/tmp")
+    os.makedirs(f"{tmp}/ray")
+    # Ray writes the cluster's address under RAY_TMPDIR/ray (default /tmp/ray, which a fresh
+    # machine lacks and which belongs to the user's own Ray): keep it in ours
+    os.environ["RAY_TMPDIR"] = tmp
     cluster = Cluster(
         initialize_head=True,
         connect=False,
