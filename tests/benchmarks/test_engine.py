@@ -69,6 +69,12 @@ def test_engine_benchmark_quick_run_reports_both_models_and_ends_with_headline_j
         # Between steps: the fp32 shard and AdamW's two moments, 12 bytes per parameter over 2
         # ranks (nothing padded); zero_grad freed the gradient shards, as FSDP2's does.
         assert m["full_shard_acct_persistent_bytes"] == 12 * PARAMS[model] // 2, model
+        # The step-time model (trainer/plan/steptime.py on this machine's measured rates)
+        # predicts each of ours beside its measurement (docs/planner.md's "here" command).
+        for name in (n for n in names if n in ("full_shard", "shard_grad_op", "no_shard")):
+            pred, ratio = m[f"{name}_predicted_ms"], m[f"{name}_predicted_vs_measured"]
+            assert pred > 0 and ratio == pytest.approx(pred / m[f"{name}_ms"], rel=0.01), name
+    assert any(line.startswith("step-time model (this machine") for line in lines), lines[-30:]
 
 
 COMPILE = ("full_shard", "full_shard_compiled", "fsdp2", "fsdp2_compiled")
