@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -40,11 +38,11 @@ import ray
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ray.cluster_utils import Cluster
 
 from benchmarks.engine import MODELS, Run, batches, build_ours, train_step
 from cluster.snapshots import keeper_fs
 from cluster.snapshots import keepers as snapshots
+from tests.cluster.elastic_cluster import LocalCluster
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.launch_storage import LaunchStorage
 from trainer.config import TrainerConfig
@@ -160,19 +158,11 @@ def main(argv=None) -> int:
         print(f"--models: unknown {unknown}; valid: {sorted(MODELS)}", file=sys.stderr)
         return 2
 
-    tmp = tempfile.mkdtemp(prefix="bsnap-", dir="/tmp")
-    os.makedirs(f"{tmp}/ray")
-    # Ray writes the cluster's address under RAY_TMPDIR/ray (default /tmp/ray, which a fresh
-    # machine lacks and which belongs to the user's own Ray): keep it in ours
-    os.environ["RAY_TMPDIR"] = tmp
-    cluster = Cluster(
-        initialize_head=True,
-        connect=False,
-        head_node_args=dict(num_cpus=1, include_dashboard=False, temp_dir=f"{tmp}/ray"),
-    )
+    # tests/cluster/elastic_cluster.py's: Ray's files (its address file too) in its own temp dir
+    cluster = LocalCluster(head_cpus=1)
+    tmp = cluster.tmp
     try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
+        cluster.add_node(1)
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         key = f"bench-{os.getpid()}"
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
@@ -192,8 +182,7 @@ def main(argv=None) -> int:
         snapshots.stop_keepers(key)
     finally:
         ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+        cluster.close()
     return 0
 
 
